@@ -1,0 +1,54 @@
+"""Small helpers shared by the dialect modules."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from polar_mitm.exchange import DialectError
+
+
+def load_json_object(body: bytes) -> dict[str, Any]:
+    if not body:
+        raise DialectError(400, "invalid_request_error", "the request body is empty; a JSON object was expected")
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise DialectError(400, "invalid_request_error", f"the request body is not valid JSON: {error}") from error
+    if not isinstance(data, dict):
+        raise DialectError(400, "invalid_request_error", f"the request body must be a JSON object, not {type(data).__name__}")
+    return data
+
+
+def expect(data: dict[str, Any], key: str, kinds: type | tuple[type, ...], required: bool = False, where: str = "") -> Any:
+    """Type-check one field; bool is not accepted where a number is meant."""
+    name = f"{where}{key}"
+    if key not in data or data[key] is None:
+        if required:
+            raise DialectError(400, "invalid_request_error", f"missing required parameter '{name}'", name)
+        return None
+    value = data[key]
+    kinds_tuple = kinds if isinstance(kinds, tuple) else (kinds,)
+    if isinstance(value, bool) and bool not in kinds_tuple:
+        raise DialectError(400, "invalid_request_error", f"'{name}' must be {_kind_names(kinds_tuple)}, not a boolean", name)
+    if not isinstance(value, kinds_tuple):
+        raise DialectError(400, "invalid_request_error", f"'{name}' must be {_kind_names(kinds_tuple)}, not {type(value).__name__}", name)
+    return value
+
+
+def _kind_names(kinds: tuple[type, ...]) -> str:
+    names = {str: "a string", int: "an integer", float: "a number", bool: "a boolean", list: "an array", dict: "an object"}
+    return " or ".join(names.get(k, k.__name__) for k in kinds)
+
+
+def sse(event: str | None, data: Any) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {payload}\n\n".encode()
+
+
+def copy_known(source: dict[str, Any], target: dict[str, Any], keys: dict[str, str]) -> None:
+    """Copy fields that mean the same in both APIs (source name -> engine name)."""
+    for src, dst in keys.items():
+        if source.get(src) is not None:
+            target[dst] = source[src]

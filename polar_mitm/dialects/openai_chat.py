@@ -1,0 +1,158 @@
+"""OpenAI Chat Completions (`POST /v1/chat/completions`), also Qwen Code's DashScope-compatible path."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from polar_mitm.dialects.common import expect, load_json_object, sse
+from polar_mitm.exchange import Completion, DialectError, ParsedRequest
+
+API = "openai_chat"
+STREAM_CONTENT_TYPE = "text/event-stream; charset=utf-8"
+
+# fields the engine understands as they are
+PASSTHROUGH = {
+    "messages", "tools", "tool_choice", "parallel_tool_calls", "temperature", "top_p", "max_tokens",
+    "max_completion_tokens", "stop", "seed", "presence_penalty", "frequency_penalty", "response_format",
+    "logit_bias", "reasoning_effort", "top_logprobs",
+    # vLLM/SGLang extensions a training setup may send on purpose
+    "structured_outputs", "top_k", "min_p", "repetition_penalty", "chat_template_kwargs", "min_tokens",
+    "skip_special_tokens", "include_stop_str_in_output", "stop_token_ids", "ignore_eos",
+}
+# fields consumed by the gateway itself
+CONSUMED = {"model", "stream", "stream_options", "logprobs", "n"}
+ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
+
+
+def recognizes(method: str, path: str) -> bool:
+    return method == "POST" and path.endswith("/chat/completions")
+
+
+def parse(body: bytes, path: str = "", query: dict[str, str] | None = None) -> ParsedRequest:
+    data = load_json_object(body)
+    model = expect(data, "model", str, required=True)
+    stream = bool(expect(data, "stream", bool))
+    messages = expect(data, "messages", list, required=True)
+    if not messages:
+        raise DialectError(400, "invalid_request_error", "'messages' must contain at least one message", "messages")
+    n = expect(data, "n", int)
+    if n not in (None, 1):
+        raise DialectError(400, "invalid_request_error", f"n={n} is not supported: the gateway records exactly one sample per exchange", "n")
+    for key, kinds in (("temperature", (int, float)), ("top_p", (int, float)), ("max_tokens", int), ("max_completion_tokens", int), ("seed", int), ("top_logprobs", int)):
+        expect(data, key, kinds)
+    stream_options = expect(data, "stream_options", dict) or {}
+    tools = expect(data, "tools", list)
+    normalizations: list[str] = []
+    chat_messages = [_check_message(m, i, normalizations) for i, m in enumerate(messages)]
+    for index, tool in enumerate(tools or []):
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(tool.get("function"), dict) or not isinstance(tool["function"].get("name"), str):
+            raise DialectError(400, "invalid_request_error", f"tools[{index}] must be a function tool with a name", f"tools[{index}]")
+
+    chat = {key: data[key] for key in PASSTHROUGH if key in data and data[key] is not None}
+    chat["messages"] = chat_messages
+    ignored = sorted(key for key in data if key not in PASSTHROUGH and key not in CONSUMED)
+    return ParsedRequest(
+        api=API,
+        model=model,
+        stream=stream,
+        chat=chat,
+        ignored=ignored,
+        normalizations=normalizations,
+        render={"include_usage": bool(stream_options.get("include_usage")), "logprobs": bool(data.get("logprobs"))},
+    )
+
+
+def _check_message(message: Any, index: int, normalizations: list[str]) -> dict[str, Any]:
+    where = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise DialectError(400, "invalid_request_error", f"'{where}' must be an object", where)
+    role = message.get("role")
+    if role not in ROLES:
+        raise DialectError(400, "invalid_request_error", f"'{where}.role' must be one of {sorted(ROLES)}, got {role!r}", f"{where}.role")
+    content = message.get("content")
+    if content is not None and not isinstance(content, (str, list)):
+        raise DialectError(400, "invalid_request_error", f"'{where}.content' must be a string or an array of content parts", f"{where}.content")
+    if isinstance(content, list):
+        for part_index, part in enumerate(content):
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise DialectError(400, "invalid_request_error", f"'{where}.content[{part_index}]' must be a content part with a type", f"{where}.content[{part_index}]")
+    if role == "tool" and not isinstance(message.get("tool_call_id"), str):
+        raise DialectError(400, "invalid_request_error", f"'{where}.tool_call_id' is required for tool messages", f"{where}.tool_call_id")
+    out = dict(message)
+    if role == "developer":
+        # chat templates know system, not developer
+        out["role"] = "system"
+        normalizations.append(f"{where}: developer -> system")
+    return out
+
+
+def render_body(parsed: ParsedRequest, completion: Completion) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": completion.content}
+    if completion.reasoning:
+        message["reasoning_content"] = completion.reasoning
+    if completion.tool_calls:
+        message["tool_calls"] = [
+            {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}} for call in completion.tool_calls
+        ]
+    choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": completion.finish_reason, "logprobs": None}
+    if parsed.render.get("logprobs"):
+        choice["logprobs"] = {"content": completion.logprobs_content}
+    return {
+        "id": completion.id,
+        "object": "chat.completion",
+        "created": completion.created,
+        "model": parsed.model,
+        "choices": [choice],
+        "usage": _usage(completion),
+    }
+
+
+def _usage(completion: Completion) -> dict[str, int]:
+    return {
+        "prompt_tokens": completion.prompt_tokens,
+        "completion_tokens": completion.completion_tokens,
+        "total_tokens": completion.prompt_tokens + completion.completion_tokens,
+    }
+
+
+def render_stream(parsed: ParsedRequest, completion: Completion) -> bytes:
+    include_usage = parsed.render.get("include_usage")
+
+    def chunk(delta: dict[str, Any], finish_reason: str | None = None, logprobs: Any = None) -> bytes:
+        event: dict[str, Any] = {
+            "id": completion.id,
+            "object": "chat.completion.chunk",
+            "created": completion.created,
+            "model": parsed.model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
+        }
+        if include_usage:
+            event["usage"] = None
+        return sse(None, event)
+
+    parts = [chunk({"role": "assistant", "content": ""})]
+    if completion.reasoning:
+        parts.append(chunk({"reasoning_content": completion.reasoning}))
+    if completion.content:
+        logprobs = {"content": completion.logprobs_content} if parsed.render.get("logprobs") else None
+        parts.append(chunk({"content": completion.content}, logprobs=logprobs))
+    for index, call in enumerate(completion.tool_calls):
+        parts.append(chunk({"tool_calls": [{"index": index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}]}))
+        parts.append(chunk({"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]}))
+    parts.append(chunk({}, finish_reason=completion.finish_reason))
+    if include_usage:
+        parts.append(
+            sse(None, {"id": completion.id, "object": "chat.completion.chunk", "created": completion.created, "model": parsed.model, "choices": [], "usage": _usage(completion)})
+        )
+    parts.append(b"data: [DONE]\n\n")
+    return b"".join(parts)
+
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 407: "authentication_error", 429: "rate_limit_error"}
+
+
+def error_body(error: DialectError) -> dict[str, Any]:
+    code = error.kind if error.kind not in ERROR_TYPES.values() else None
+    kind = ERROR_TYPES.get(error.status, "server_error" if error.status >= 500 else "invalid_request_error")
+    return {"error": {"message": error.message, "type": kind, "param": error.param, "code": code}}
+

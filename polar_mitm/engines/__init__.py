@@ -1,0 +1,17 @@
+"""Inference engine clients: one module per engine, the same small surface each."""
+
+from __future__ import annotations
+
+from polar_mitm.engines.base import Engine
+
+
+def make_engine(kind: str, base_url: str, served_model: str | None = None, timeout: float = 600.0) -> Engine:
+    if kind == "vllm":
+        from polar_mitm.engines.vllm import VLLMEngine
+
+        return VLLMEngine(base_url, served_model, timeout)
+    if kind == "sglang":
+        from polar_mitm.engines.sglang import SGLangEngine
+
+        return SGLangEngine(base_url, served_model, timeout)
+    raise ValueError(f"unknown engine kind {kind!r} (vllm or sglang)")

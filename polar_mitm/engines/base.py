@@ -1,0 +1,130 @@
+"""What every engine client does: call an OpenAI-compatible chat endpoint once, non-streaming."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import httpx
+
+from polar_mitm.exchange import Completion, EngineError, ToolCall
+
+
+class Engine:
+    kind = "openai"
+
+    def __init__(self, base_url: str, served_model: str | None = None, timeout: float = 600.0):
+        self.base_url = base_url.rstrip("/")
+        # some engine endpoints (/tokenize, /health) live beside /v1, not under it
+        self.root_url = self.base_url.removesuffix("/v1")
+        self.served_model = served_model
+        self.timeout = timeout
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0), trust_env=False, limits=httpx.Limits(max_connections=512, max_keepalive_connections=64))
+        self.max_model_len: int | None = None
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+    async def discover(self) -> str:
+        """The engine's own model name (from /models), unless one was configured."""
+        if self.served_model:
+            return self.served_model
+        response = await self._send("GET", "/models")
+        models = response.get("data") or []
+        if not models:
+            raise EngineError("engine_error", "the engine serves no model", 502, response)
+        self.served_model = models[0]["id"]
+        self.max_model_len = models[0].get("max_model_len")
+        return self.served_model
+
+    def build_request(self, chat: dict[str, Any], model: str) -> dict[str, Any]:
+        """The exact body sent to the engine: never streaming, always token ids and logprobs."""
+        request = dict(chat)
+        request["model"] = model
+        request["stream"] = False
+        request.pop("stream_options", None)
+        request["logprobs"] = True
+        request["top_logprobs"] = chat.get("top_logprobs") or 0
+        request.update(self.token_id_fields())
+        return request
+
+    def token_id_fields(self) -> dict[str, Any]:
+        return {}
+
+    async def complete(self, engine_request: dict[str, Any]) -> tuple[dict[str, Any], Completion]:
+        raw = await self._send("POST", "/chat/completions", engine_request)
+        return raw, self.parse_completion(raw)
+
+    async def count_tokens(self, chat: dict[str, Any], model: str) -> int:
+        raise EngineError("engine_error", f"{self.kind} engine cannot count tokens", 501)
+
+    async def _send(self, method: str, path: str, body: dict[str, Any] | None = None, root: bool = False) -> dict[str, Any]:
+        url = (self.root_url if root else self.base_url) + path
+        try:
+            response = await self.client.request(method, url, json=body)
+        except httpx.TimeoutException as error:
+            raise EngineError("engine_timeout", f"the inference engine did not answer within {self.timeout:g}s ({type(error).__name__})", 504) from error
+        except httpx.TransportError as error:
+            raise EngineError("engine_unreachable", f"the inference engine at {self.base_url} is unreachable: {error!r}", 503) from error
+        try:
+            payload = response.json()
+        except json.JSONDecodeError:
+            payload = {"text": response.text[:4000]}
+        if response.status_code >= 500:
+            raise EngineError("engine_error", f"the inference engine failed with HTTP {response.status_code}: {_engine_message(payload)}", 502, payload)
+        if response.status_code >= 400:
+            # the engine refused this request (context too long, bad tool schema...): the client's to fix
+            raise EngineError("engine_rejected", f"the inference engine rejected the request: {_engine_message(payload)}", 400, payload)
+        return payload
+
+    def parse_completion(self, raw: dict[str, Any]) -> Completion:
+        try:
+            choice = raw["choices"][0]
+            message = choice.get("message") or {}
+            logprobs_content = (choice.get("logprobs") or {}).get("content") or []
+            completion_ids = self.completion_token_ids(raw, choice)
+            prompt_ids = self.prompt_token_ids(raw, choice)
+        except (KeyError, IndexError, TypeError) as error:
+            raise EngineError("engine_error", f"the engine's reply has no usable choice: {error!r}", 502, raw) from error
+        if completion_ids is None or prompt_ids is None:
+            raise EngineError("engine_error", f"the {self.kind} engine returned no token ids; is it configured to return them?", 502, raw)
+        logprobs = [float(item.get("logprob", 0.0)) for item in logprobs_content]
+        if len(logprobs) != len(completion_ids):
+            raise EngineError("engine_error", f"the engine returned {len(completion_ids)} token ids but {len(logprobs)} logprobs", 502, raw)
+        tool_calls = [
+            ToolCall(id=call.get("id") or f"call_{index}", name=call["function"]["name"], arguments=call["function"].get("arguments") or "{}")
+            for index, call in enumerate(message.get("tool_calls") or [])
+        ]
+        usage = raw.get("usage") or {}
+        return Completion(
+            id=raw.get("id") or f"chatcmpl-{int(time.time() * 1000)}",
+            created=int(raw.get("created") or time.time()),
+            content=message.get("content"),
+            reasoning=message.get("reasoning_content") or message.get("reasoning"),
+            tool_calls=tool_calls,
+            finish_reason=choice.get("finish_reason") or "stop",
+            prompt_token_ids=prompt_ids,
+            completion_token_ids=completion_ids,
+            completion_logprobs=logprobs,
+            logprobs_content=logprobs_content,
+            prompt_tokens=int(usage.get("prompt_tokens") or len(prompt_ids)),
+            completion_tokens=int(usage.get("completion_tokens") or len(completion_ids)),
+        )
+
+    def prompt_token_ids(self, raw: dict[str, Any], choice: dict[str, Any]) -> list[int] | None:
+        return raw.get("prompt_token_ids")
+
+    def completion_token_ids(self, raw: dict[str, Any], choice: dict[str, Any]) -> list[int] | None:
+        return choice.get("token_ids")
+
+
+def _engine_message(payload: Any) -> str:
+    if isinstance(payload, dict):
+        error = payload.get("error")
+        if isinstance(error, dict):
+            return str(error.get("message") or error)
+        if error:
+            return str(error)
+        return str(payload.get("message") or payload.get("detail") or payload.get("text") or payload)[:2000]
+    return str(payload)[:2000]

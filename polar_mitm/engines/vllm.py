@@ -1,0 +1,22 @@
+"""vLLM's OpenAI-compatible server: `return_token_ids` gives prompt and sampled ids in one reply."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from polar_mitm.engines.base import Engine
+
+
+class VLLMEngine(Engine):
+    kind = "vllm"
+
+    def token_id_fields(self) -> dict[str, Any]:
+        return {"return_token_ids": True}
+
+    async def count_tokens(self, chat: dict[str, Any], model: str) -> int:
+        # /tokenize renders the chat template exactly as a completion would
+        body = {"model": model, "messages": chat["messages"], "add_generation_prompt": True}
+        if chat.get("tools"):
+            body["tools"] = chat["tools"]
+        reply = await self._send("POST", "/tokenize", body, root=True)
+        return int(reply["count"])

@@ -1,0 +1,70 @@
+"""The types one model exchange passes through: session -> dialect -> engine -> store -> dialect."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class DialectError(Exception):
+    """A request the gateway refuses; rendered in the shape of the provider the client called."""
+
+    def __init__(self, status: int, kind: str, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+        self.message = message
+        self.param = param
+
+
+class EngineError(Exception):
+    """The inference engine failed us; `status_class` is what the exchange row records."""
+
+    def __init__(self, status_class: str, message: str, http_status: int, engine_body: Any = None):
+        super().__init__(message)
+        self.status_class = status_class
+        self.message = message
+        self.http_status = http_status
+        self.engine_body = engine_body
+
+
+@dataclass
+class ParsedRequest:
+    """A provider request translated into the engine's chat-completions form."""
+
+    api: str
+    model: str
+    stream: bool
+    chat: dict[str, Any]
+    ignored: list[str] = field(default_factory=list)
+    # what the dialect changed on the way (e.g. developer->system), recorded with the row
+    normalizations: list[str] = field(default_factory=list)
+    # dialect-private facts the renderer needs (include_usage, requested logprobs, ...)
+    render: dict[str, Any] = field(default_factory=dict)
+    # "generate" calls the engine for a completion; "count_tokens" only tokenizes
+    action: str = "generate"
+
+
+@dataclass
+class ToolCall:
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass
+class Completion:
+    """What the engine sampled, with its exact token ids and logprobs."""
+
+    id: str
+    created: int
+    content: str | None
+    reasoning: str | None
+    tool_calls: list[ToolCall]
+    finish_reason: str
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    completion_logprobs: list[float]
+    logprobs_content: list[dict[str, Any]] | None
+    prompt_tokens: int
+    completion_tokens: int

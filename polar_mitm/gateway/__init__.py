@@ -1,0 +1,1 @@
+"""The gateway: mitmproxy with the polar addon, in-process."""

@@ -1,0 +1,5 @@
+"""mitmproxy content view for LLM API bodies (filled in by the debugging work)."""
+
+
+def register() -> None:
+    pass

@@ -1,0 +1,92 @@
+"""Who is calling: session ids from proxy credentials, and the harness's own lineage headers.
+
+A session is named by the user part of the proxy URL (`http://SESSION:TOKEN@127.0.0.1:P`). The token is
+an HMAC of the session id under a secret kept in the gateway's confdir, so any process that can read the
+confdir (`polar-mitm run`, the rollout server) can mint credentials without talking to the gateway.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+import secrets
+from pathlib import Path
+
+DEFAULT_SESSION = "default"
+SECRET_FILE = "polar-session-secret"
+
+# headers harnesses send that tie requests into conversations, sub-agents and retries
+LINEAGE_HEADERS = (
+    "x-claude-code-session-id",
+    "session-id",
+    "session_id",
+    "thread-id",
+    "conversation-id",
+    "conversation_id",
+    "x-stainless-retry-count",
+    "x-client-request-id",
+    "x-request-id",
+    "x-dashscope-session-id",
+    "x-gemini-api-privileged-user-id",
+    "anthropic-beta",
+)
+
+HARNESS_USER_AGENTS = (
+    ("claude-cli", "claude"),
+    ("claude-code", "claude"),
+    ("codex", "codex"),
+    ("qwencode", "qwen"),
+    ("qwen-code", "qwen"),
+    ("geminicli", "gemini"),
+    ("gemini-cli", "gemini"),
+)
+
+
+def load_secret(confdir: str | Path) -> bytes:
+    path = Path(confdir).expanduser() / SECRET_FILE
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(secrets.token_hex(32))
+        path.chmod(0o600)
+    return path.read_text().strip().encode()
+
+
+def session_token(secret: bytes, session_id: str) -> str:
+    return hmac.new(secret, session_id.encode(), hashlib.sha256).hexdigest()[:32]
+
+
+def parse_proxy_authorization(value: str | None) -> tuple[str, str] | None:
+    """(user, password) from a `Basic` Proxy-Authorization header, or None."""
+    if not value:
+        return None
+    scheme, _, encoded = value.partition(" ")
+    if scheme.lower() != "basic" or not encoded:
+        return None
+    try:
+        user, sep, password = base64.b64decode(encoded.strip()).decode("utf-8").partition(":")
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+    if not sep or not user:
+        return None
+    return user, password
+
+
+def credentials_valid(secret: bytes, credentials: tuple[str, str] | None) -> bool:
+    if credentials is None:
+        return False
+    user, password = credentials
+    return hmac.compare_digest(session_token(secret, user), password)
+
+
+def lineage(headers: dict[str, str]) -> dict[str, str]:
+    return {name: headers[name] for name in LINEAGE_HEADERS if name in headers}
+
+
+def harness_from_user_agent(user_agent: str | None) -> str | None:
+    lowered = (user_agent or "").lower().replace(" ", "")
+    for needle, harness in HARNESS_USER_AGENTS:
+        if needle in lowered:
+            return harness
+    return None
