@@ -12,7 +12,9 @@ import logging
 import time
 import uuid
 import weakref
-from collections.abc import Sequence
+import importlib
+import importlib.util
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,7 @@ class PolarAddon:
         self.secret: bytes = b""
         self.sessions_by_connection: weakref.WeakKeyDictionary[Any, tuple[str, str] | None] = weakref.WeakKeyDictionary()
         self.model_map: list[tuple[str, str | None]] = []
+        self.engine_hook: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any] | None] | None = None
 
     def load(self, loader: Any) -> None:
         loader.add_option("polar_upstream", str, "", "The inference engine's OpenAI-compatible base URL, e.g. http://127.0.0.1:8011/v1.")
@@ -56,6 +59,12 @@ class PolarAddon:
             Sequence[str],
             [],
             "Hosts (glob patterns) whose non-model traffic is forwarded to the real network. Empty: every non-model request is answered locally with a 404.",
+        )
+        loader.add_option(
+            "polar_engine_hook",
+            str,
+            "",
+            "A function 'module:name' or 'path/to/file.py:name' called as hook(engine_request, context) before each engine call; it may return a changed request (e.g. sampling params, structured outputs). The row records the request as sent.",
         )
         loader.add_option("polar_sql_port", int, 0, "Loopback port of the read-only SQL endpoint for other processes (0: any free port).")
 
@@ -79,6 +88,8 @@ class PolarAddon:
                 if not pattern:
                     raise exceptions.OptionsError(f"polar_model_map entry {entry!r} has no pattern")
                 self.model_map.append((pattern, target or None))
+        if "polar_engine_hook" in updated:
+            self.engine_hook = load_hook(ctx.options.polar_engine_hook) if ctx.options.polar_engine_hook else None
         if "polar_db" in updated or self.store is None:
             if self.store is not None:
                 self.store.close()
@@ -217,6 +228,9 @@ class PolarAddon:
             row["engine_response"] = {"count": count}
             return 200, "application/json", json.dumps(body_json).encode(), body_json
         engine_request = self.engine.build_request(parsed.chat, engine_model)
+        if self.engine_hook is not None:
+            context = {key: row.get(key) for key in ("session_id", "seq", "api", "model_requested", "harness", "path")}
+            engine_request = self.engine_hook(engine_request, context) or engine_request
         row["engine_request"] = engine_request
         row["engine_started_at"] = now()
         try:
@@ -275,3 +289,21 @@ def _peek_model(body: bytes, path: str) -> str | None:
         return None
     model = data.get("model") if isinstance(data, dict) else None
     return model if isinstance(model, str) else None
+
+
+def load_hook(spec: str) -> Callable[..., Any]:
+    target, sep, name = spec.rpartition(":")
+    if not sep or not target or not name:
+        raise exceptions.OptionsError(f"polar_engine_hook must be 'module:function' or 'file.py:function', got {spec!r}")
+    if target.endswith(".py"):
+        module_spec = importlib.util.spec_from_file_location(f"polar_engine_hook_{abs(hash(target))}", target)
+        if module_spec is None or module_spec.loader is None:
+            raise exceptions.OptionsError(f"cannot load engine hook file {target!r}")
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(target)
+    hook = getattr(module, name, None)
+    if not callable(hook):
+        raise exceptions.OptionsError(f"engine hook {spec!r} is not a function")
+    return hook

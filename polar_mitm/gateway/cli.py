@@ -20,6 +20,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--model-map", action="append", default=[], metavar="GLOB[=MODEL]", help="serve only these requested model names (repeatable)")
     parser.add_argument("--require-auth", action="store_true", help="407 unless the proxy URL carries valid session credentials")
     parser.add_argument("--passthrough", action="append", default=[], metavar="HOST_GLOB", help="forward non-model traffic to these hosts (repeatable)")
+    parser.add_argument("--engine-hook", default="", metavar="MODULE:FUNC", help="function applied to each engine request (sampling params, structured outputs)")
     parser.add_argument("--sql-port", type=int, default=0, help="loopback port for read-only SQL from other processes (default: any)")
     parser.add_argument("--web", action="store_true", help="serve mitmweb's UI too")
     parser.add_argument("--web-port", type=int, default=8081)
@@ -33,7 +34,7 @@ def _gateway(args: argparse.Namespace) -> int:
     config = GatewayConfig(
         port=args.port, upstream=args.upstream, db=args.db, confdir=args.confdir, engine=args.engine,
         engine_model=args.engine_model, engine_timeout=args.engine_timeout, model_map=args.model_map,
-        require_auth=args.require_auth, passthrough=args.passthrough, sql_port=args.sql_port,
+        require_auth=args.require_auth, passthrough=args.passthrough, engine_hook=args.engine_hook, sql_port=args.sql_port,
         web=args.web, web_port=args.web_port, verbose=args.verbose,
     )
     server.run(config)

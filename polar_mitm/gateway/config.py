@@ -21,6 +21,7 @@ class GatewayConfig(BaseModel):
     model_map: list[str] = Field(default_factory=list)
     require_auth: bool = False
     passthrough: list[str] = Field(default_factory=list)
+    engine_hook: str = Field("", description="'module:function' or 'file.py:function' applied to each engine request.")
     sql_port: int = 0
     web: bool = False
     web_port: int = 8081

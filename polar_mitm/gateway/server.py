@@ -37,6 +37,7 @@ def make_master(config: GatewayConfig):
         "polar_require_auth": config.require_auth,
         "polar_passthrough": list(config.passthrough),
         "polar_sql_port": config.sql_port,
+        "polar_engine_hook": config.engine_hook,
         # the body must reach our hook whole; never stream it past the addon
         "stream_large_bodies": None,
     }
