@@ -52,9 +52,18 @@ class Engine:
     def token_id_fields(self) -> dict[str, Any]:
         return {}
 
-    async def complete(self, engine_request: dict[str, Any]) -> tuple[dict[str, Any], Completion]:
-        raw = await self._send("POST", "/chat/completions", engine_request)
-        return raw, self.parse_completion(raw)
+    async def complete(self, engine_request: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], Completion]:
+        """One engine call: (the request as finally sent, the engine's raw reply, the parsed completion)."""
+        try:
+            raw = await self._send("POST", "/chat/completions", engine_request)
+        except EngineError as error:
+            if not (error.status_class == "engine_rejected" and _is_context_length_error(error) and _has_max_tokens(engine_request)):
+                raise
+            # harnesses ask for more output tokens than a small engine's context holds; without a limit the engine
+            # samples up to the room left, which is min(requested, room): the same request, answered
+            engine_request = {k: v for k, v in engine_request.items() if k not in ("max_tokens", "max_completion_tokens")}
+            raw = await self._send("POST", "/chat/completions", engine_request)
+        return engine_request, raw, self.parse_completion(raw)
 
     async def count_tokens(self, chat: dict[str, Any], model: str) -> int:
         raise EngineError("engine_error", f"{self.kind} engine cannot count tokens", 501)
@@ -117,6 +126,15 @@ class Engine:
 
     def completion_token_ids(self, raw: dict[str, Any], choice: dict[str, Any]) -> list[int] | None:
         return choice.get("token_ids")
+
+
+def _has_max_tokens(request: dict[str, Any]) -> bool:
+    return request.get("max_tokens") is not None or request.get("max_completion_tokens") is not None
+
+
+def _is_context_length_error(error: EngineError) -> bool:
+    text = error.message.lower()
+    return "context length" in text or "max_tokens" in text and "too large" in text or "maximum context" in text
 
 
 def _engine_message(payload: Any) -> str:

@@ -234,10 +234,11 @@ class PolarAddon:
         row["engine_request"] = engine_request
         row["engine_started_at"] = now()
         try:
-            raw, completion = await self.engine.complete(engine_request)
+            sent, raw, completion = await self.engine.complete(engine_request)
         finally:
             row["engine_ended_at"] = now()
         row.update(
+            engine_request=sent,
             engine_response=raw,
             prompt_token_ids=completion.prompt_token_ids,
             completion_token_ids=completion.completion_token_ids,

@@ -1,0 +1,74 @@
+"""`polar-mitm engine build|start|stop|status`: the local vLLM engine used as a real upstream."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from polar_mitm.local_engine import build
+from polar_mitm.local_engine.serve import DEFAULT_PORT, EngineError, LocalEngine
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    engine = subparsers.add_parser("engine", help="build and run the local vLLM engine (CPU)", description=__doc__)
+    commands = engine.add_subparsers(dest="engine_command", required=True)
+
+    def add(name: str, func, help: str, with_model: bool = True, with_port: bool = True) -> argparse.ArgumentParser:
+        parser = commands.add_parser(name, help=help)
+        if with_model:
+            parser.add_argument("--model", choices=list(build.MODELS), default=build.DEFAULT_MODEL)
+        if with_port:
+            parser.add_argument("--port", type=int, default=DEFAULT_PORT)
+        parser.add_argument("--home", default=None, help="engine home (default: $POLAR_MITM_HOME or ~/.cache/polar-mitm)")
+        parser.set_defaults(func=func)
+        return parser
+
+    add("build", run_build, "build the engine venv and a model (once; cached)", with_port=False)
+    start = add("start", run_start, "start the engine (or reuse a live one) and print its base URL")
+    start.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the engine to answer")
+    start.add_argument("--foreground", action="store_true", help="stay attached; Ctrl-C stops the engine")
+    add("stop", run_stop, "stop the engine on --port", with_model=False)
+    add("status", run_status, "show whether an engine runs on --port (exit 1 if not)", with_model=False)
+
+
+def run_build(args: argparse.Namespace) -> int:
+    engine = LocalEngine(model=args.model, home=args.home)
+    print(engine.build())
+    return 0
+
+
+def run_start(args: argparse.Namespace) -> int:
+    engine = LocalEngine(model=args.model, port=args.port, home=args.home)
+    try:
+        print(engine.start(timeout=args.timeout), flush=True)
+    except EngineError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if not args.foreground:
+        return 0
+    if not engine.started_here:
+        print("error: an engine was already running on this port; not attaching to it", file=sys.stderr)
+        return 1
+    try:
+        return engine.wait()
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        engine.stop()
+
+
+def run_stop(args: argparse.Namespace) -> int:
+    engine = LocalEngine(port=args.port, home=args.home)
+    engine.stop()
+    return 0
+
+
+def run_status(args: argparse.Namespace) -> int:
+    engine = LocalEngine(port=args.port, home=args.home)
+    record = engine.status()
+    if record is None:
+        print(f"no engine on port {args.port}")
+        return 1
+    answering = "answering" if engine.running() else "starting (not answering yet)"
+    print(f"{record.model} at {record.url}, pid {record.pid}, {answering}; log {record.log}")
+    return 0

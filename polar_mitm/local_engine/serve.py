@@ -1,0 +1,265 @@
+"""Run a real vLLM server on this machine as the upstream for tests and the demo.
+
+    with LocalEngine() as base_url:      # http://127.0.0.1:8011/v1
+        ...
+
+An engine outlives the process that started it (the CLI's `engine start` returns at once), so each one is
+recorded in `<home>/engine-<port>.json`; `start()` reuses a live engine serving the same model there, and
+`stop()` ends whichever engine the record names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+from polar_mitm.local_engine import build
+
+HOST = "127.0.0.1"
+DEFAULT_PORT = 8011
+
+
+class EngineError(RuntimeError):
+    pass
+
+
+@dataclass
+class EngineRecord:
+    pid: int
+    url: str
+    model: str
+    log: str
+
+
+class LocalEngine:
+    def __init__(self, model: str = build.DEFAULT_MODEL, port: int = DEFAULT_PORT, home: str | os.PathLike | None = None):
+        if model not in build.MODELS:
+            raise EngineError(f"unknown model {model!r}; choose one of {', '.join(build.MODELS)}")
+        self.model = model
+        self.port = port
+        self.home = build.engine_home(home)
+        self.base_url = f"http://{HOST}:{port}/v1"
+        self.log_file = self.home / "logs" / f"engine-{port}.log"
+        self.record_file = self.home / f"engine-{port}.json"
+        # True only when this object spawned the engine: context-manager exit then stops it.
+        self.started_here = False
+        self._process: subprocess.Popen | None = None
+
+    def build(self) -> Path:
+        """Build the venv and this model if needed; returns the model directory."""
+        return build.build_model(self.home, self.model)
+
+    def start(self, timeout: float = 600.0) -> str:
+        """Start (or reuse) the engine and return its OpenAI base URL once it answers."""
+        model_path = self.build()
+        deadline = time.monotonic() + timeout
+        with build.file_lock(self.home / f"engine-{self.port}.lock"):
+            record = self._live_record()
+            if record is not None:
+                if record.model != self.model:
+                    raise EngineError(
+                        f"port {self.port} already serves {record.model!r} (pid {record.pid}); "
+                        f"run `polar-mitm engine stop --port {self.port}` first"
+                    )
+                self._wait_until_ready(record.pid, deadline)
+                return self.base_url
+            if _port_in_use(self.port):
+                raise EngineError(f"port {self.port} on {HOST} is taken by something that is not our engine")
+            self._spawn(model_path)
+            try:
+                self._wait_until_ready(self._process.pid, deadline)
+                self._warm_up()
+            except BaseException:
+                self.stop()
+                raise
+        return self.base_url
+
+    def _spawn(self, model_path: Path) -> None:
+        spec = build.MODELS[self.model]
+        command = [
+            str(build.venv_dir(self.home) / "bin" / "vllm"), "serve", str(model_path),
+            "--host", HOST,
+            "--port", str(self.port),
+            "--served-model-name", self.model,
+            "--dtype", "bfloat16",
+            "--max-model-len", str(spec.max_model_len),
+            "--enforce-eager",  # start-up ~25 s instead of ~100 s of torch.compile
+            "--enable-auto-tool-choice",
+            "--tool-call-parser", "hermes",
+            "--enable-scale-out",  # /inference/v1/generate and /v1/chat/completions/render
+        ]
+        self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_file, "w") as log:
+            log.write(f"$ {' '.join(command)}\n")
+            log.flush()
+            # Own session: stop() can kill vLLM's API server and engine-core processes as one group.
+            self._process = subprocess.Popen(
+                command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                env=self._environment(), cwd=self.home, start_new_session=True,
+            )
+        self.started_here = True
+        record = EngineRecord(pid=self._process.pid, url=self.base_url, model=self.model, log=str(self.log_file))
+        self.record_file.write_text(json.dumps(asdict(record), indent=2) + "\n")
+
+    def _environment(self) -> dict[str, str]:
+        # The caller's Python settings belong to another interpreter (3.12 project venv).
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+        scratch = self.home / "scratch"
+        for sub in ("vllm", "inductor", "tmp"):
+            (scratch / sub).mkdir(parents=True, exist_ok=True)
+        env.update(
+            PATH=f"{build.venv_dir(self.home) / 'bin'}{os.pathsep}{env.get('PATH', '')}",
+            VLLM_TARGET_DEVICE="cpu",
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            VLLM_CPU_KVCACHE_SPACE="1",  # GiB; tiny models need little, and RAM is shared
+            VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+            VLLM_NO_USAGE_STATS="1",
+            VLLM_CACHE_ROOT=str(scratch / "vllm"),
+            TORCHINDUCTOR_CACHE_DIR=str(scratch / "inductor"),
+            TMPDIR=str(scratch / "tmp"),
+        )
+        return env
+
+    def _wait_until_ready(self, pid: int, deadline: float) -> None:
+        while True:
+            if not self._alive(pid):
+                raise EngineError(f"the engine exited during start-up; log {self.log_file}:\n{self._log_tail()}")
+            try:
+                if _get(f"{self.base_url}/models").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise EngineError(f"the engine did not answer within the timeout; log {self.log_file}:\n{self._log_tail()}")
+            time.sleep(0.5)
+
+    def _warm_up(self) -> None:
+        # The first request after start-up is slow (1-9 s); pay that here, not in a caller's timed test.
+        request = {"model": self.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "temperature": 0}
+        httpx.post(f"{self.base_url}/chat/completions", json=request, timeout=120, trust_env=False).raise_for_status()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the engine recorded for this port (whoever started it) and wait until it is gone."""
+        record = self._read_record()
+        pid = self._process.pid if self._process else record.pid if record else None
+        if pid is not None and self._alive(pid):
+            # The engine leads its own process group (setsid): signal vLLM's API server and its
+            # engine-core workers together, and wait for all of them, not just the leader.
+            _signal_group(pid, signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            while self._group_alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            _signal_group(pid, signal.SIGKILL)
+            while self._group_alive(pid):
+                time.sleep(0.1)
+        self.record_file.unlink(missing_ok=True)
+        self._process = None
+        self.started_here = False
+
+    def running(self) -> bool:
+        """Whether an engine for this port is alive and answering."""
+        record = self._live_record()
+        if record is None:
+            return False
+        try:
+            return _get(f"{self.base_url}/models").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def status(self) -> EngineRecord | None:
+        return self._live_record()
+
+    def wait(self) -> int:
+        """Block until an engine started here exits (for `engine start --foreground`)."""
+        if self._process is None:
+            raise EngineError("wait() needs an engine started by this process")
+        return self._process.wait()
+
+    def __enter__(self) -> str:
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        if self.started_here:
+            self.stop()
+
+    def _read_record(self) -> EngineRecord | None:
+        try:
+            return EngineRecord(**json.loads(self.record_file.read_text()))
+        except (FileNotFoundError, json.JSONDecodeError, TypeError):
+            return None
+
+    def _live_record(self) -> EngineRecord | None:
+        record = self._read_record()
+        if record is not None and self._alive(record.pid):
+            return record
+        return None
+
+    def _alive(self, pid: int) -> bool:
+        if self._process is not None and self._process.pid == pid:
+            return self._process.poll() is None  # also reaps our own child
+        return _is_vllm_process(pid)
+
+    def _group_alive(self, pgid: int) -> bool:
+        if self._process is not None:
+            self._process.poll()  # reap our own child, or its zombie keeps the group alive
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def _log_tail(self, lines: int = 40) -> str:
+        try:
+            return "".join(self.log_file.read_text(errors="replace").splitlines(keepends=True)[-lines:])
+        except FileNotFoundError:
+            return ""
+
+
+def _get(url: str) -> httpx.Response:
+    # trust_env=False: a proxy configured for the gateway under test must not sit between us and vLLM.
+    return httpx.get(url, timeout=2, trust_env=False)
+
+
+def _is_vllm_process(pid: int) -> bool:
+    """Alive and still vLLM: a recorded pid may have been reused by an unrelated process since."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    except OSError:  # no /proc (not Linux): fall back to "some process has this pid"
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    state = _proc_state(pid)
+    return b"vllm" in cmdline and state != "Z"
+
+
+def _proc_state(pid: int) -> str:
+    try:
+        # "pid (comm) S ...": the state follows the last ')' since comm may contain spaces.
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _port_in_use(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex((HOST, port)) == 0
