@@ -56,5 +56,6 @@ async def serve(config: GatewayConfig) -> None:
 
 
 def run(config: GatewayConfig) -> None:
-    logging.basicConfig(level=logging.INFO if config.verbose else logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    # mitmproxy's termlog prints Python logging; per-request httpx lines are noise
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     asyncio.run(serve(config))
