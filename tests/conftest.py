@@ -27,3 +27,37 @@ def engine_url() -> Iterator[str]:
     if engine.started_here:
         engine.stop()
 
+
+from tests.gatewayproc import Gateway, free_port  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def gateway(engine_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    """One real gateway process for the test run; tests keep apart by using their own session ids."""
+    base = tmp_path_factory.mktemp("gateway")
+    gw = Gateway(port=free_port(), db=base / "store.duckdb", confdir=base / "confdir", upstream=engine_url).start()
+    yield gw
+    gw.stop()
+
+
+@pytest.fixture
+def make_gateway(tmp_path_factory: pytest.TempPathFactory, engine_url: str) -> Iterator:
+    """Start extra gateways with their own options (dead upstream, --require-auth, ...)."""
+    started: list[Gateway] = []
+
+    def start(*args: str, upstream: str | None = None, db: Path | None = None, confdir: Path | None = None) -> Gateway:
+        base = tmp_path_factory.mktemp("gw")
+        gw = Gateway(port=free_port(), db=db or base / "store.duckdb", confdir=confdir or base / "confdir", upstream=upstream or engine_url, args=list(args)).start()
+        started.append(gw)
+        return gw
+
+    yield start
+    for gw in started:
+        gw.stop()
+
+
+@pytest.fixture
+def session_id(request: pytest.FixtureRequest) -> str:
+    import uuid
+
+    return f"{request.node.name[:40]}-{uuid.uuid4().hex[:8]}".replace("[", "-").replace("]", "")
