@@ -268,3 +268,19 @@ def test_mitmdump_with_the_addon_script(tmp_path, engine_url: str, session_id: s
     finally:
         os.killpg(process.pid, signal.SIGTERM)
         process.wait(timeout=30)
+
+
+def test_sglang_engine_token_ids(make_gateway, session_id: str) -> None:
+    # SGLang cannot run here: a named stand-in answers in its documented reply shape
+    standin = StandinUpstream("sglang")
+    try:
+        gateway = make_gateway("--engine", "sglang", upstream=standin.url)
+        response = _post(gateway, session_id, {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}], "stream": True})
+        assert response.status_code == 200 and "Hi there" in response.text
+        row = gateway.exchanges(session_id)[0]
+        assert json.loads(row["engine_request"])["return_prompt_token_ids"] is True
+        assert row["prompt_token_ids"] == [151644, 872, 198, 6023, 151645, 198, 151644, 77091, 198]
+        assert row["completion_token_ids"] == [13048, 1052, 151645]
+        assert row["completion_logprobs"] == [-0.25, -0.5, -0.125]
+    finally:
+        standin.close()

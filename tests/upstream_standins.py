@@ -12,6 +12,27 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
+# The reply shape of SGLang >= 0.5.13's /v1/chat/completions with return_meta_info and
+# return_prompt_token_ids (hand-made from its protocol; no SGLang can run on these CPU machines).
+SGLANG_REPLY = {
+    "id": "b1f0c3",
+    "object": "chat.completion",
+    "created": 1795950000,
+    "model": "standin",
+    "choices": [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "Hi there", "reasoning_content": None, "tool_calls": None},
+            "logprobs": None,
+            "finish_reason": "stop",
+            "prompt_token_ids": [151644, 872, 198, 6023, 151645, 198, 151644, 77091, 198],
+            "meta_info": {"output_token_logprobs": [[-0.25, 13048, "Hi"], [-0.5, 1052, " there"], [-0.125, 151645, None]]},
+        }
+    ],
+    "usage": {"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12},
+}
+
+
 class _Handler(BaseHTTPRequestHandler):
     mode = "500"
     delay = 0.0
@@ -29,7 +50,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:  # noqa: N802
         self.rfile.read(int(self.headers.get("content-length") or 0))
-        if self.mode == "hang":
+        if self.mode == "sglang":
+            self._reply(200, SGLANG_REPLY)
+        elif self.mode == "hang":
             time.sleep(self.delay)
             self._reply(200, {"error": "too late"})
         else:
@@ -40,7 +63,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class StandinUpstream:
-    """`mode="500"` answers every completion with HTTP 500; `mode="hang"` answers after `delay` seconds."""
+    """`mode="sglang"` answers like SGLang; `mode="500"` answers every completion with HTTP 500; `mode="hang"` answers after `delay` seconds."""
 
     def __init__(self, mode: str, delay: float = 0.0):
         handler = type("Handler", (_Handler,), {"mode": mode, "delay": delay})
