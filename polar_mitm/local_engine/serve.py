@@ -82,9 +82,9 @@ class LocalEngine:
                 raise
         return self.base_url
 
-    def _spawn(self, model_path: Path) -> None:
+    def command(self, model_path: Path) -> list[str]:
         spec = build.MODELS[self.model]
-        command = [
+        return [
             str(build.venv_dir(self.home) / "bin" / "vllm"), "serve", str(model_path),
             "--host", HOST,
             "--port", str(self.port),
@@ -96,6 +96,9 @@ class LocalEngine:
             "--tool-call-parser", "hermes",
             "--enable-scale-out",  # /inference/v1/generate and /v1/chat/completions/render
         ]
+
+    def _spawn(self, model_path: Path) -> None:
+        command = self.command(model_path)
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_file, "w") as log:
             log.write(f"$ {' '.join(command)}\n")
