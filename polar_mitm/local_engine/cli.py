@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from polar_mitm.local_engine import build
@@ -16,7 +17,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     def add(name: str, func, help: str, with_model: bool = True, with_port: bool = True) -> argparse.ArgumentParser:
         parser = commands.add_parser(name, help=help)
         if with_model:
-            parser.add_argument("--model", choices=list(build.MODELS), default=build.DEFAULT_MODEL)
+            parser.add_argument("--model", choices=list(build.MAX_MODEL_LEN), default=build.DEFAULT_MODEL)
         if with_port:
             parser.add_argument("--port", type=int, default=DEFAULT_PORT)
         parser.add_argument("--home", default=None, help="engine home (default: $POLAR_MITM_HOME or ~/.cache/polar-mitm)")
@@ -49,6 +50,8 @@ def run_start(args: argparse.Namespace) -> int:
     if not engine.started_here:
         print("error: an engine was already running on this port; not attaching to it", file=sys.stderr)
         return 1
+    # A supervisor's SIGTERM must also reach the engine, which runs in its own session.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         return engine.wait()
     except KeyboardInterrupt:

@@ -41,8 +41,8 @@ class EngineRecord:
 
 class LocalEngine:
     def __init__(self, model: str = build.DEFAULT_MODEL, port: int = DEFAULT_PORT, home: str | os.PathLike | None = None):
-        if model not in build.MODELS:
-            raise EngineError(f"unknown model {model!r}; choose one of {', '.join(build.MODELS)}")
+        if model not in build.MAX_MODEL_LEN:
+            raise EngineError(f"unknown model {model!r}; choose one of {', '.join(build.MAX_MODEL_LEN)}")
         self.model = model
         self.port = port
         self.home = build.engine_home(home)
@@ -83,14 +83,13 @@ class LocalEngine:
         return self.base_url
 
     def command(self, model_path: Path) -> list[str]:
-        spec = build.MODELS[self.model]
         return [
             str(build.venv_dir(self.home) / "bin" / "vllm"), "serve", str(model_path),
             "--host", HOST,
             "--port", str(self.port),
             "--served-model-name", self.model,
             "--dtype", "bfloat16",
-            "--max-model-len", str(spec.max_model_len),
+            "--max-model-len", str(build.MAX_MODEL_LEN[self.model]),
             "--enforce-eager",  # start-up ~25 s instead of ~100 s of torch.compile
             "--enable-auto-tool-choice",
             "--tool-call-parser", "hermes",
@@ -113,8 +112,7 @@ class LocalEngine:
         self.record_file.write_text(json.dumps(asdict(record), indent=2) + "\n")
 
     def _environment(self) -> dict[str, str]:
-        # The caller's Python settings belong to another interpreter (3.12 project venv).
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+        env = build.engine_python_env()
         scratch = self.home / "scratch"
         for sub in ("vllm", "inductor", "tmp"):
             (scratch / sub).mkdir(parents=True, exist_ok=True)
@@ -236,24 +234,11 @@ def _is_vllm_process(pid: int) -> bool:
     """Alive and still vLLM: a recorded pid may have been reused by an unrelated process since."""
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    except OSError:  # no /proc (not Linux): fall back to "some process has this pid"
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
-    state = _proc_state(pid)
-    return b"vllm" in cmdline and state != "Z"
-
-
-def _proc_state(pid: int) -> str:
-    try:
-        # "pid (comm) S ...": the state follows the last ')' since comm may contain spaces.
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        # "pid (comm) S ...": the state letter follows the last ')', since comm may contain spaces.
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
-        return ""
+        return False
+    return b"vllm" in cmdline and state != "Z"
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:
