@@ -68,3 +68,5 @@ class Completion:
     logprobs_content: list[dict[str, Any]] | None
     prompt_tokens: int
     completion_tokens: int
+    # the stop string that ended the sample (vLLM's `stop_reason` when it is a string), if one did
+    stop_sequence: str | None = None

@@ -119,6 +119,7 @@ class Engine:
             logprobs_content=logprobs_content,
             prompt_tokens=int(usage.get("prompt_tokens") or len(prompt_ids)),
             completion_tokens=int(usage.get("completion_tokens") or len(completion_ids)),
+            stop_sequence=choice["stop_reason"] if isinstance(choice.get("stop_reason"), str) else None,
         )
 
     def prompt_token_ids(self, raw: dict[str, Any], choice: dict[str, Any]) -> list[int] | None:
