@@ -1,7 +1,7 @@
 """Engine hook for the Gemini dialect tests (`--engine-hook tests/steer_gemini.py:steer`).
 
-Gemini requests have no slot for vLLM's `structured_outputs`, so the test gateway adds it: a forced
-get_weather call while tools are offered and no result has come back, a fixed text otherwise. Forced tokens
+Gemini requests have no slot for vLLM's `structured_outputs`, so the test gateway adds it: a short text and a
+forced get_weather call while tools are offered and no result has come back, a fixed text once it has. Forced tokens
 are still real engine samples (token ids + logprob 0.0), only their choice is steered.
 """
 
@@ -11,19 +11,18 @@ import json
 import re
 from typing import Any
 
-TOOL_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+PREAMBLE = "Let me check."
+TOOL_CALL = PREAMBLE + '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 ANSWER_AFTER_TOOL = "It is sunny in Paris."
-PLAIN_ANSWER = "Hello from polar."
 
 
-def steer(engine_request: dict[str, Any], context: dict[str, Any]) -> dict[str, Any]:
-    last = engine_request["messages"][-1]
-    if last["role"] == "tool":
+def steer(engine_request: dict[str, Any], context: dict[str, Any]) -> dict[str, Any] | None:
+    if engine_request["messages"][-1]["role"] == "tool":
         text = ANSWER_AFTER_TOOL
     elif engine_request.get("tools"):
         text = TOOL_CALL
     else:
-        text = PLAIN_ANSWER
+        return None
     return {**engine_request, "structured_outputs": {"regex": _literal(text)}}
 
 
@@ -33,4 +32,4 @@ def _literal(text: str) -> str:
 
 
 def forced_arguments() -> dict[str, Any]:
-    return json.loads(TOOL_CALL.split("\n")[1])["arguments"]
+    return json.loads(TOOL_CALL.split("\n")[2])["arguments"]

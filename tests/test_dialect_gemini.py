@@ -71,7 +71,7 @@ def assert_rows_match_engine(rows: list[dict[str, Any]]) -> None:
 
 def exchanges(gateway: Gateway, session_id: str) -> list[dict[str, Any]]:
     """The session's rows, JSON columns decoded."""
-    rows = exchanges(gateway, session_id)
+    rows = gateway.exchanges(session_id)
     for row in rows:
         for column in store.JSON_COLUMNS & row.keys():
             if isinstance(row[column], str):
@@ -124,6 +124,7 @@ def test_function_call_then_result_two_turns(make_gateway: Any, session_id: str)
     response, chunks = both_ways(client, [question], config)
     assert_stream_equals_body(response, chunks)
     assert [(call.name, call.args) for call in response.function_calls] == [("get_weather", steer_gemini.forced_arguments())]
+    assert response.text.strip() == steer_gemini.PREAMBLE and len(chunks) == 2  # a text chunk, then the functionCall chunk
     assert response.candidates[0].finish_reason == types.FinishReason.STOP
 
     # turn 2: the result goes back, paired with the call although Gemini calls carry no ids
@@ -143,6 +144,7 @@ def test_function_call_then_result_two_turns(make_gateway: Any, session_id: str)
         {"type": "function", "function": {"name": "get_weather", "description": "The current weather in a city.", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
     ]
     assistant, tool = rows[2]["engine_request"]["messages"][-2:]
+    assert assistant["content"] == response.text
     assert assistant["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": json.dumps(steer_gemini.forced_arguments())}
     assert tool == {"role": "tool", "tool_call_id": assistant["tool_calls"][0]["id"], "content": '{"temperature_c": 21}'}
     events = sse_events(rows[1]["response_stream"])
@@ -153,7 +155,7 @@ def test_recorded_cli_requests_are_served(gateway: Gateway, session_id: str) -> 
     """Gemini CLI's own requests (8 tools, JSON-schema routing call) are accepted by the engine as translated."""
     with proxy_env(gateway, session_id):
         http = httpx.Client(verify=ssl.create_default_context(cafile=str(gateway.ca_cert)), timeout=120)
-    for name in ("cli_0.61_route_generateContent.json", "cli_0.61_turn_streamGenerateContent.json"):
+    for name in ("cli_0.61_route_generateContent.json", "cli_0.61_turn_streamGenerateContent.json", "cli_0.61_tool_result_streamGenerateContent.json"):
         fixture = json.loads((FIXTURES / name).read_text())
         body = fixture["body"]
         body["generationConfig"]["maxOutputTokens"] = 4  # the recorded calls set no limit
@@ -166,10 +168,16 @@ def test_recorded_cli_requests_are_served(gateway: Gateway, session_id: str) -> 
             assert reply.json()["candidates"][0]["finishReason"] == "MAX_TOKENS"
     rows = exchanges(gateway, session_id)
     assert_rows_match_engine(rows)
-    assert [row["model_requested"] for row in rows] == ["gemini-3.5-flash-lite", "gemini-3.1-pro-preview"]
+    assert [row["model_requested"] for row in rows] == ["gemini-3.5-flash-lite", "gemini-3.1-pro-preview", "gemini-3.8-flash"]
     assert rows[0]["engine_request"]["response_format"]["json_schema"]["schema"]["properties"]["complexity_score"]["type"] == "integer"
     assert len(rows[1]["engine_request"]["tools"]) == 8
-    assert all(row["ignored_fields"] == ["generationConfig.thinkingConfig"] for row in rows)
+    # the CLI numbers its calls itself and echoes the id in the functionResponse
+    assistant, tool = rows[2]["engine_request"]["messages"][-2:]
+    assert tool["role"] == "tool" and tool["tool_call_id"] == assistant["tool_calls"][0]["id"] == "list_directory_1795957213998_0"
+    assert [row["ignored_fields"] for row in rows] == [["generationConfig.thinkingConfig.thinkingLevel"]] * 2 + [
+        ["contents[1].parts[1].thoughtSignature", "generationConfig.thinkingConfig.thinkingLevel"]  # the CLI's synthetic signature
+    ]
+    assert all(row["engine_request"]["chat_template_kwargs"] == {"enable_thinking": True} for row in rows)
 
 
 def test_bad_requests_get_google_errors_and_are_recorded(gateway: Gateway, session_id: str) -> None:
@@ -261,7 +269,7 @@ def test_tool_turn_pairs_responses_by_name_and_order() -> None:
         "contents": [
             {"role": "user", "parts": [{"text": "go"}]},
             {"role": "model", "parts": [call("a", 1), call("b", 2), call("a", 3)]},
-            {"role": "user", "parts": [answer("a", 1), answer("a", 3), answer("b", 2), {"text": "and now?"}]},
+            {"role": "user", "parts": [answer("a", 1), {"functionResponse": {**answer("a", 3)["functionResponse"], "id": "made-up"}}, answer("b", 2), {"text": "and now?"}]},
         ],
         "tools": [{"functionDeclarations": [{"name": "a", "parameters": {"type": "OBJECT", "properties": {"n": {"type": "INTEGER", "nullable": True}}}}, {"name": "b"}]}, {"googleSearch": {}}],
         "toolConfig": {"functionCallingConfig": {"mode": "ANY", "allowedFunctionNames": ["a"]}},
@@ -278,7 +286,8 @@ def test_tool_turn_pairs_responses_by_name_and_order() -> None:
     assert parsed.chat["tools"][0]["function"]["parameters"] == {"type": "object", "properties": {"n": {"type": ["integer", "null"]}}}
     assert parsed.chat["tools"][1]["function"]["parameters"] == {"type": "object", "properties": {}}
     assert parsed.chat["tool_choice"] == {"type": "function", "function": {"name": "a"}}
-    assert parsed.ignored == ["tools[1].googleSearch"]
+    # an id that names no call is paired by name, and recorded as not used
+    assert parsed.ignored == ["contents[2].parts[1].functionResponse.id", "tools[1].googleSearch"]
 
 
 def make_completion(content: str | None, reasoning_text: str | None, calls: list[ToolCall]) -> Completion:
@@ -329,6 +338,7 @@ def test_render_without_thoughts_requested_and_with_logprobs() -> None:
         ("/v1beta/models/m:generateContent", {"contents": [{"role": "model", "parts": [{"functionResponse": {"name": "f", "response": {}}}]}]}, "model turn"),
         ("/v1beta/models/m:generateContent", {"contents": [{"parts": [{"fileData": {"fileUri": "gs://x", "mimeType": "text/plain"}}]}]}, "fileData"),
         ("/v1beta/models/m:generateContent", {"contents": [{"parts": [{"videoMetadata": {}}]}]}, "no supported data"),
+        ("/v1beta/models/m:generateContent", {"contents": [{"role": "model", "parts": [{"text": "x", "functionCall": {"name": "f"}}]}]}, "exactly one kind"),
         ("/v1beta/models/m:generateContent", {"contents": [{"role": "system", "parts": [{"text": "x"}]}]}, "role"),
         ("/v1beta/models/m:generateContent", {"contents": [{"parts": [{"text": "x"}]}], "generationConfig": {"responseMimeType": "text/plain", "responseSchema": {"type": "STRING"}}}, "responseMimeType"),
         ("/v1beta/models/m:generateContent", {"contents": [{"parts": [{"text": "x"}]}], "toolConfig": {"functionCallingConfig": {"mode": "ANY", "allowedFunctionNames": ["nope"]}}}, "undeclared"),
@@ -345,12 +355,14 @@ def test_snake_case_inline_text_and_count_tokens() -> None:
     body = {
         "system_instruction": {"parts": [{"text": "sys"}]},
         "contents": [{"role": "user", "parts": [{"text": "see"}, {"inline_data": {"mime_type": "text/plain", "data": base64.b64encode(b"file body").decode()}}]}],
-        "generation_config": {"max_output_tokens": 5, "stop_sequences": ["END"], "response_mime_type": "text/x.enum", "response_schema": {"type": "STRING", "enum": ["yes", "no"]}},
+        "generation_config": {"max_output_tokens": 5, "stop_sequences": ["END"], "response_mime_type": "text/x.enum", "response_schema": {"type": "STRING", "enum": ["yes", "no"]}, "thinking_config": {"thinking_budget": 0}},
     }
     parsed = gemini.parse(json.dumps(body).encode(), "/v1beta/models/m:generateContent")
     assert parsed.chat["messages"] == [{"role": "system", "content": "sys"}, {"role": "user", "content": [{"type": "text", "text": "see"}, {"type": "text", "text": "file body"}]}]
     assert (parsed.chat["max_tokens"], parsed.chat["stop"], parsed.chat["structured_outputs"]) == (5, ["END"], {"choice": ["yes", "no"]})
     assert "request.system_instruction -> systemInstruction" in parsed.normalizations
+    # a zero thinking budget turns the template's thinking off; nothing is left unmapped
+    assert parsed.chat["chat_template_kwargs"] == {"enable_thinking": False} and parsed.ignored == []
     counted = gemini.parse(json.dumps({"generateContentRequest": {"model": "models/m", "contents": body["contents"]}}).encode(), "/v1beta/models/m:countTokens")
     assert counted.action == "count_tokens" and counted.ignored == ["generateContentRequest.model"]
     assert gemini.render_count_tokens(counted, 7) == {"totalTokens": 7}

@@ -254,7 +254,7 @@ def _tool_message(response: Any, here: str, normalizations: list[str], ignored: 
         raise _bad(f"'{where}' answers a call of {name!r}, but no earlier functionCall of {name!r} is waiting for a response", where)
     call_id, _ = unanswered.pop(match)
     if wanted_id and wanted_id != call_id:
-        # Gemini CLI answers with ids of its own making, which name no call in the history
+        # an id that names no call in the history (the client dropped or never sent the call's id)
         ignored.append(f"{where}.id")
         normalizations.append(f"{where}: id {wanted_id!r} names no call; paired by name with {call_id}")
     result = response.get("response", {})
@@ -278,12 +278,17 @@ def _tool_message(response: Any, here: str, normalizations: list[str], ignored: 
     return message
 
 
+PART_DATA = ("text", "functionCall", "functionResponse", "inlineData", "fileData", "executableCode", "codeExecutionResult")
+
+
 def _part_kind(part: dict[str, Any], here: str) -> str:
-    for kind in ("text", "functionCall", "functionResponse", "inlineData", "fileData", "executableCode", "codeExecutionResult"):
-        if kind in part:
-            if kind == "text" and not isinstance(part["text"], str):
-                raise _bad(f"'{here}.text' must be a string", f"{here}.text")
-            return kind
+    kinds = [kind for kind in PART_DATA if kind in part]
+    if len(kinds) > 1:
+        raise _bad(f"'{here}' holds {' and '.join(kinds)}; a part holds exactly one kind of data", here)
+    if kinds == ["text"] and not isinstance(part["text"], str):
+        raise _bad(f"'{here}.text' must be a string", f"{here}.text")
+    if kinds:
+        return kinds[0]
     if "thoughtSignature" in part:
         return "thoughtSignature"  # a signature alone, holding no data
     raise _bad(f"'{here}' has no supported data: expected text, functionCall, functionResponse or inlineData", here)
@@ -459,14 +464,26 @@ def _generation_config(config: dict[str, Any] | None, chat: dict[str, Any], norm
         render["response_logprobs"] = True
         if config.get("logprobs"):
             chat["top_logprobs"] = config["logprobs"]
-    thinking = config.get("thinkingConfig")
-    if isinstance(thinking, dict):
-        thinking = _camel_keys(thinking, f"{at}.thinkingConfig", normalizations)
-        render["include_thoughts"] = thinking.get("includeThoughts") is True
-    known = set(GENERATION_PASSTHROUGH) | GENERATION_CONSUMED
-    # thinkingConfig (budget/level) has no engine counterpart; includeThoughts only shapes the reply
+    render["include_thoughts"] = _thinking(expect(config, "thinkingConfig", dict, where=f"{at}."), chat, f"{at}.thinkingConfig", normalizations, ignored)
+    known = set(GENERATION_PASSTHROUGH) | GENERATION_CONSUMED | {"thinkingConfig"}
     ignored += [f"{at}.{key}" for key in config if key not in known]
     return render
+
+
+def _thinking(thinking: dict[str, Any] | None, chat: dict[str, Any], at: str, normalizations: list[str], ignored: list[str]) -> bool:
+    """thinkingConfig -> the chat template's `enable_thinking` (budget 0 turns thinking off); absent: the engine's
+    default. Returns includeThoughts, which only shapes the reply."""
+    if thinking is None:
+        return False
+    thinking = _camel_keys(thinking, at, normalizations)
+    budget = expect(thinking, "thinkingBudget", int, where=f"{at}.")
+    include = expect(thinking, "includeThoughts", bool, where=f"{at}.") is True
+    enable = budget != 0
+    chat["chat_template_kwargs"] = {"enable_thinking": enable}
+    normalizations.append(f"{at} -> chat_template_kwargs.enable_thinking={enable}")
+    # the engine has no per-request budget or level we rely on: recorded, not enforced
+    ignored += [f"{at}.{key}" for key in thinking if key != "includeThoughts" and not (key == "thinkingBudget" and budget == 0)]
+    return include
 
 
 def _response_format(config: dict[str, Any], chat: dict[str, Any], at: str, normalizations: list[str]) -> None:
