@@ -259,8 +259,9 @@ def test_count_tokens_is_the_engine_tokenizers_count(gateway: Gateway, session_i
     messages = [{"role": "user", "content": "How many tokens is this?"}]
     with proxy_env(gateway, session_id):
         client = sdk_client()
-        counted = client.messages.count_tokens(model=MODEL, system=system, messages=messages, tools=[BASH_TOOL])
-        generated = client.messages.create(model=MODEL, max_tokens=4, system=system, messages=messages, tools=[BASH_TOOL], extra_body=forced("ok"))
+        # thinking disabled changes the prompt (Qwen3 renders an empty think block): the count must see it too
+        counted = client.messages.count_tokens(model=MODEL, system=system, messages=messages, tools=[BASH_TOOL], thinking={"type": "disabled"})
+        generated = client.messages.create(model=MODEL, max_tokens=4, system=system, messages=messages, tools=[BASH_TOOL], thinking={"type": "disabled"}, extra_body=forced("ok"))
     # the chat request written by hand, tokenized by vLLM's own /tokenize
     expected = httpx.post(
         f"{gateway.upstream.removesuffix('/v1')}/tokenize",
@@ -269,6 +270,7 @@ def test_count_tokens_is_the_engine_tokenizers_count(gateway: Gateway, session_i
             "messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "How many tokens is this?"}],
             "tools": [{"type": "function", "function": {"name": "Bash", "description": "Run a shell command", "parameters": BASH_TOOL["input_schema"]}}],
             "add_generation_prompt": True,
+            "chat_template_kwargs": {"enable_thinking": False},
         },
     ).json()["count"]
     assert counted.input_tokens == expected == generated.usage.input_tokens

@@ -16,7 +16,9 @@ class VLLMEngine(Engine):
     async def count_tokens(self, chat: dict[str, Any], model: str) -> int:
         # /tokenize renders the chat template exactly as a completion would
         body = {"model": model, "messages": chat["messages"], "add_generation_prompt": True}
-        if chat.get("tools"):
-            body["tools"] = chat["tools"]
+        # the fields that change the rendered prompt (e.g. enable_thinking adds an empty think block)
+        for key in ("tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message"):
+            if chat.get(key) is not None:
+                body[key] = chat[key]
         reply = await self._send("POST", "/tokenize", body, root=True)
         return int(reply["count"])
