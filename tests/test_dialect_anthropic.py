@@ -497,6 +497,8 @@ _request = st.fixed_dictionaries(
         "temperature": st.floats(0, 1),
         "top_k": st.integers(1, 50),
         "structured_outputs": st.just({"regex": "a"}),
+        "chat_template_kwargs": st.just({"enable_thinking": False}),
+        "seed": st.integers(0, 9),
         "context_management": _json,
     },
 )
@@ -539,3 +541,9 @@ def test_parse_raises_only_dialect_errors(body: bytes, path: str) -> None:
     assert isinstance(parsed, ParsedRequest) and isinstance(parsed.chat["messages"], list)
     assert parsed.action == ("count_tokens" if path.endswith("count_tokens") else "generate")
     json.dumps(parsed.chat)  # the engine request is plain JSON
+
+
+def test_deeply_nested_json_is_a_bad_request() -> None:
+    with pytest.raises(DialectError) as raised:
+        anthropic_messages.parse(b'{"model": "m", "max_tokens": 1, "messages": ' + b"[" * 100_000, "/v1/messages")
+    assert raised.value.status == 400

@@ -86,8 +86,9 @@ def parse(body: bytes, path: str = "", query: dict[str, str] | None = None) -> P
     _tool_choice(expect(data, "tool_choice", dict), chat, notes)
     _continue_prefill(messages, chat, notes)
 
-    for key in sorted(ENGINE_EXTENSIONS & data.keys()):
+    for key in sorted(key for key in ENGINE_EXTENSIONS & data.keys() if data[key] is not None):
         if key == "chat_template_kwargs":
+            # the client's own template arguments win over the thinking switch's
             chat[key] = {**chat.get(key, {}), **expect(data, key, dict)}
         else:
             chat[key] = data[key]

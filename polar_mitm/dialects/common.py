@@ -15,6 +15,8 @@ def load_json_object(body: bytes) -> dict[str, Any]:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise DialectError(400, "invalid_request_error", f"the request body is not valid JSON: {error}") from error
+    except RecursionError as error:
+        raise DialectError(400, "invalid_request_error", "the request body nests JSON too deeply") from error
     if not isinstance(data, dict):
         raise DialectError(400, "invalid_request_error", f"the request body must be a JSON object, not {type(data).__name__}")
     return data
