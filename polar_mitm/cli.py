@@ -13,6 +13,7 @@ COMMAND_MODULES = [
     "polar_mitm.store_cli",
     "polar_mitm.run_cli",
     "polar_mitm.demo",
+    "polar_mitm.assembler.cli",
 ]
 
 

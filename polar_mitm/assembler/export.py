@@ -1,0 +1,153 @@
+"""Parquet output, one row per trainable sequence, and the store's `trajectories` table.
+
+Columns (docs/trainers.md maps them to TRL, verl and slime):
+    sequence_id, builder, session_id, task_id, group_id    identity and GRPO group
+    input_ids int32[], loss_mask int8[], rollout_logprobs double[]   same length; mask 1 = sampled
+    prompt_len, sampled_tokens, n_exchanges, exchange_ids, exchange_seqs, finish_reason
+    break_kind, break_index, break_region, break_from, break_exchange_id, break_detail    null: no break
+    retry_of, faithful
+    reward, advantage, trainable, no_signal, session_status, session_metadata
+    api, harness, model_requested, model_engine
+
+Writing the table. DuckDB lets one process write a file. The Parquet file is always written first; then
+  - no process holds the store: `polar-mitm assemble` opens it and loads the rows into `trajectories`
+    (rows of the same builder and sessions are replaced);
+  - a gateway holds it: nothing is written to the store; the Parquet file is the result, readable through
+    the gateway with `polar-mitm sql --db DB "SELECT * FROM read_parquet('FILE')"`;
+  - in-process (the rollout server passes its open `Store`): the same statements go through
+    `Store.execute_write`, serialised with the gateway's exchange commits.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from polar_mitm.assembler.records import Sequence
+from polar_mitm.store import Store
+
+TABLE = "trajectories"
+
+SCHEMA = pa.schema(
+    [
+        ("sequence_id", pa.string()),
+        ("builder", pa.string()),
+        ("session_id", pa.string()),
+        ("task_id", pa.string()),
+        ("group_id", pa.string()),
+        ("input_ids", pa.list_(pa.int32())),
+        ("loss_mask", pa.list_(pa.int8())),
+        ("rollout_logprobs", pa.list_(pa.float64())),
+        ("prompt_len", pa.int32()),
+        ("sampled_tokens", pa.int32()),
+        ("n_exchanges", pa.int32()),
+        ("exchange_ids", pa.list_(pa.string())),
+        ("exchange_seqs", pa.list_(pa.int32())),
+        ("finish_reason", pa.string()),
+        ("break_kind", pa.string()),
+        ("break_index", pa.int32()),
+        ("break_region", pa.string()),
+        ("break_from", pa.string()),
+        ("break_exchange_id", pa.string()),
+        ("break_detail", pa.string()),
+        ("retry_of", pa.string()),
+        ("faithful", pa.bool_()),
+        ("reward", pa.float64()),
+        ("advantage", pa.float64()),
+        ("trainable", pa.bool_()),
+        ("no_signal", pa.bool_()),
+        ("session_status", pa.string()),
+        ("session_metadata", pa.string()),
+        ("api", pa.string()),
+        ("harness", pa.string()),
+        ("model_requested", pa.string()),
+        ("model_engine", pa.string()),
+    ]
+)
+
+_PLAIN = [name for name in SCHEMA.names if not name.startswith("break_")]
+
+
+def to_table(sequences: list[Sequence]) -> pa.Table:
+    columns: dict[str, list] = {name: [getattr(s, name) for s in sequences] for name in _PLAIN}
+    breaks = [s.break_diagnosis for s in sequences]
+    columns["break_kind"] = [b.kind if b else None for b in breaks]
+    columns["break_index"] = [b.index if b else None for b in breaks]
+    columns["break_region"] = [b.region if b else None for b in breaks]
+    columns["break_from"] = [b.previous_sequence_id if b else None for b in breaks]
+    columns["break_exchange_id"] = [b.previous_exchange_id if b else None for b in breaks]
+    columns["break_detail"] = [b.detail if b else None for b in breaks]
+    return pa.table({name: pa.array(columns[name], type=SCHEMA.field(name).type) for name in SCHEMA.names}, schema=SCHEMA)
+
+
+class ParquetSink:
+    """Write sequences batch by batch (one row group each), so a large run never sits in memory whole."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._writer = pq.ParquetWriter(str(self.path), SCHEMA, compression="zstd")
+        self.rows = 0
+
+    def write(self, sequences: list[Sequence]) -> None:
+        if sequences:
+            self._writer.write_table(to_table(sequences))
+            self.rows += len(sequences)
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+def write_parquet(sequences: list[Sequence], path: str | os.PathLike[str]) -> Path:
+    sink = ParquetSink(path)
+    try:
+        sink.write(sequences)
+    finally:
+        sink.close()
+    return sink.path
+
+
+@dataclass
+class StoreWrite:
+    written: bool
+    message: str
+
+
+def _statements(parquet: Path) -> list[str]:
+    source = "read_parquet('" + str(parquet.resolve()).replace("'", "''") + "')"
+    return [
+        f"CREATE TABLE IF NOT EXISTS {TABLE} AS SELECT * FROM {source} LIMIT 0",
+        f"DELETE FROM {TABLE} WHERE (builder, session_id) IN (SELECT DISTINCT builder, session_id FROM {source})",
+        f"INSERT INTO {TABLE} BY NAME SELECT * FROM {source}",
+    ]
+
+
+def store_trajectories(db_path: str | os.PathLike[str] | None, parquet: Path, store_object: Store | None = None) -> StoreWrite:
+    """Load a Parquet file written by this module into the store's `trajectories` table, if the store can be written."""
+    if store_object is not None:
+        for sql in _statements(parquet):
+            store_object.execute_write(sql)
+        return StoreWrite(True, f"loaded into table {TABLE} of {store_object.path} through the running store's writer")
+    try:
+        con = duckdb.connect(str(db_path))
+    except duckdb.IOException as error:
+        if "lock" not in str(error).lower():
+            raise
+        return StoreWrite(
+            False,
+            f"another process (the gateway) holds {db_path}, so table {TABLE} was not written; the trajectories are in "
+            f"{parquet} — read them through the gateway with: polar-mitm sql --db {db_path} \"SELECT * FROM read_parquet('{parquet}')\"",
+        )
+    try:
+        con.execute("BEGIN TRANSACTION")
+        for sql in _statements(parquet):
+            con.execute(sql)
+        con.execute("COMMIT")
+    finally:
+        con.close()
+    return StoreWrite(True, f"loaded into table {TABLE} of {db_path}")

@@ -1,0 +1,24 @@
+"""`per_request`: one trainable sequence per exchange — its prompt ids, then its sampled ids.
+
+The baseline every trainer can take: nothing is merged, so nothing can drift. loss_mask is 1 exactly on
+the sampled ids, rollout_logprobs holds their logprobs. A sample of a prompt already sent in the session
+(an SDK retry, the same request re-sent) is flagged `retry_of` the first exchange with that prompt.
+"""
+
+from __future__ import annotations
+
+from polar_mitm.assembler.chain import Chain
+from polar_mitm.assembler.source import Exchange
+
+NAME = "per_request"
+
+
+def build_session(exchanges: list[Exchange]) -> list[Chain]:
+    first_with_prompt: dict[tuple[int, int], Exchange] = {}
+    chains = []
+    for exchange in exchanges:
+        key = (len(exchange.prompt), hash(tuple(exchange.prompt)))
+        earlier = first_with_prompt.setdefault(key, exchange)
+        retry_of = earlier.exchange_id if earlier is not exchange and earlier.prompt == exchange.prompt else None
+        chains.append(Chain.start(NAME, exchange, retry_of=retry_of))
+    return chains
