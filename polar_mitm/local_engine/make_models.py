@@ -140,7 +140,24 @@ def qwen_tokenizer_json(tiktoken_file: Path) -> str:
             tokenizer.add_tokens([token])
     for offset, (content, _) in enumerate(QWEN3_ADDED_TOKENS):
         assert tokenizer.token_to_id(content) == QWEN3_FIRST_ADDED_ID + offset, content
+    _check_against_tiktoken(tokenizer, ranks)
     return tokenizer.to_str()
+
+
+# Scripts, digits, contractions, whitespace runs, emoji and code: the cases where BPE conversions drift.
+TOKENIZER_PROBE = (
+    "Hello world! It's we'LL they've 12345 3.14159\n\n\tdef f(x):\r\n    return x ** 2  # done\n"
+    "naïve café, Ünïcödé; 你好，世界。こんにちは 안녕하세요 Привет мир 🙂👍🏽 \u00a0 \u200b  trailing   \n"
+)
+
+
+def _check_against_tiktoken(tokenizer, ranks: dict[bytes, int]) -> None:
+    import tiktoken
+
+    reference = tiktoken.Encoding("qwen", pat_str=QWEN_SPLIT_PATTERN, mergeable_ranks=ranks, special_tokens={})
+    expected = reference.encode_ordinary(TOKENIZER_PROBE)
+    if tokenizer.encode(TOKENIZER_PROBE).ids != expected:
+        raise ValueError("the converted Qwen tokenizer does not match tiktoken on the probe text")
 
 
 def write_qwen_tokenizer(out: Path) -> None:
