@@ -10,12 +10,12 @@ harness reads from its HOME. The whole interface:
     harness.shell_tool, harness.shell_argument          # its shell tool and the argument holding the command
     harness.prepare_home(home, model)                   # write its config files into a private HOME
     env = harness.environment(home, model, base=proxy_env)  # the child's full environment
-    argv = harness.command(instruction, model, stream=None)  # argv of one headless run (argv[0] absolute)
-    subprocess.run(argv, env=env, cwd=workspace)
+    argv = harness.command(instruction, model)          # argv of one headless run (argv[0] absolute)
+    subprocess.run(argv, env=env, cwd=workspace, stdin=subprocess.DEVNULL)
 
-`stream` is None for the harness's own default; True/False only where the harness has a switch
-(`harness.stream_switch`), else ValueError. Binaries come from `sandboxes/harnesses/install.sh`, installed
-under `$POLAR_MITM_HOME/harnesses` (default ~/.cache/polar-mitm/harnesses); `install_prefix()` says where.
+None of the four pinned versions has a switch for the provider API's streaming: their agent turns always
+stream; Gemini CLI's model-router call is non-streaming. Binaries come from `sandboxes/harnesses/install.sh`,
+installed under `$POLAR_MITM_HOME/harnesses` (default ~/.cache/polar-mitm/harnesses); `install_prefix()`.
 """
 
 from __future__ import annotations
@@ -80,7 +80,6 @@ class Harness:
     shell_tool: str = ""
     shell_argument: str = "command"
     default_model: str | None = None  # what it asks for when no model is given (None: its own default)
-    stream_switch: bool = False  # whether command(stream=True/False) can choose the provider API's streaming
     needs_node: bool = True
 
     def executable(self) -> Path:
@@ -91,10 +90,8 @@ class Harness:
             raise HarnessNotInstalled(f"{self.package} needs Node >= 22; run sandboxes/harnesses/install.sh")
         return path
 
-    def command(self, instruction: str, model: str | None = None, stream: bool | None = None) -> list[str]:
-        if stream is not None and not self.stream_switch:
-            raise ValueError(f"{self.name} has no switch for the provider API's streaming")
-        return [str(self.executable()), *self.arguments(instruction, model or self.default_model, stream)]
+    def command(self, instruction: str, model: str | None = None) -> list[str]:
+        return [str(self.executable()), *self.arguments(instruction, model or self.default_model)]
 
     def environment(self, home: str | Path, model: str | None = None, base: Mapping[str, str] | None = None) -> dict[str, str]:
         """The child's whole environment: `base` (default os.environ) without base-URL overrides, plus the preset."""
@@ -121,7 +118,7 @@ class Harness:
         self.write_config(Path(home), model or self.default_model)
 
     # -- what each harness module defines
-    def arguments(self, instruction: str, model: str | None, stream: bool | None) -> list[str]:
+    def arguments(self, instruction: str, model: str | None) -> list[str]:
         raise NotImplementedError
 
     def preset_environment(self, home: Path, model: str | None) -> dict[str, str]:

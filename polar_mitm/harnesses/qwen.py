@@ -30,7 +30,7 @@ class Qwen(Harness):
     shell_argument = "command"
     default_model = "qwen3-coder-plus"
 
-    def arguments(self, instruction: str, model: str | None, stream: bool | None) -> list[str]:
+    def arguments(self, instruction: str, model: str | None) -> list[str]:
         return ["--auth-type", "openai", "--yolo", "--output-format", "json", *(["--model", model] if model else []), instruction]
 
     def preset_environment(self, home: Path, model: str | None) -> dict[str, str]:
