@@ -126,6 +126,16 @@ def test_regex_forcing_covers_reasoning(engine_url, served, tokenizer):
     assert tokenizer.decode(choice["token_ids"], skip_special_tokens=True) == forced
 
 
+def test_harness_sized_prompt_fits(engine_url, served):
+    """Real harness prompts run to 20-40k tokens; the default model must take them whole."""
+    if served["max_model_len"] < 40_000:
+        pytest.skip(f"{served['id']} serves only {served['max_model_len']} tokens")
+    prompt = " ".join(f"word{i}" for i in range(6000))  # ~30k tokens
+    response = chat(engine_url, served, messages=[{"role": "user", "content": prompt}], max_tokens=1, return_token_ids=True)
+    assert len(response["prompt_token_ids"]) > 25_000
+    assert len(response["choices"][0]["token_ids"]) == 1
+
+
 def test_start_reuses_the_live_engine(engine_url, served):
     engine = LocalEngine(model=served["id"])
     if engine_url != engine.base_url:
