@@ -284,3 +284,22 @@ def test_sglang_engine_token_ids(make_gateway, session_id: str) -> None:
         assert row["completion_logprobs"] == [-0.25, -0.5, -0.125]
     finally:
         standin.close()
+
+
+def test_split_reasoning_round_trip(make_gateway, session_id: str) -> None:
+    """An engine without a reasoning parser returns <think> inline; --split-reasoning maps it to reasoning_content."""
+    gateway = make_gateway("--split-reasoning")
+    forced = "<think>\nThe user greets me.\n</think>\n\nHello!"
+    body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "temperature": 0, "structured_outputs": {"regex": regex_for(forced)}}
+    reply = _post(gateway, session_id, body).json()["choices"][0]["message"]
+    assert reply["content"] == "Hello!" and reply["reasoning_content"] == "The user greets me."
+    streamed = _post(gateway, session_id, {**body, "stream": True}).text
+    assert '"reasoning_content":"The user greets me."' in streamed and '"content":"Hello!"' in streamed
+    # the next turn sends the reasoning back: the engine's template renders it again, as sampled
+    follow = {"model": "gpt-4o", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", **reply}, {"role": "user", "content": "bye"}]}
+    assert _post(gateway, session_id, follow).status_code == 200
+    plain, streamed_row, follow_row = gateway.exchanges(session_id)
+    assert plain["completion_token_ids"] == streamed_row["completion_token_ids"]
+    # token ids are the engine's whole sample, reasoning included: splitting is presentation only
+    assert plain["completion_token_ids"][0] == 151667  # <think>
+    assert json.loads(follow_row["engine_request"])["messages"][1]["reasoning_content"] == "The user greets me."

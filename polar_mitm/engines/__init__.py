@@ -5,13 +5,13 @@ from __future__ import annotations
 from polar_mitm.engines.base import Engine
 
 
-def make_engine(kind: str, base_url: str, served_model: str | None = None, timeout: float = 600.0) -> Engine:
+def make_engine(kind: str, base_url: str, served_model: str | None = None, timeout: float = 600.0, split_reasoning: bool = False) -> Engine:
     if kind == "vllm":
         from polar_mitm.engines.vllm import VLLMEngine
 
-        return VLLMEngine(base_url, served_model, timeout)
+        return VLLMEngine(base_url, served_model, timeout, split_reasoning)
     if kind == "sglang":
         from polar_mitm.engines.sglang import SGLangEngine
 
-        return SGLangEngine(base_url, served_model, timeout)
+        return SGLangEngine(base_url, served_model, timeout, split_reasoning)
     raise ValueError(f"unknown engine kind {kind!r} (vllm or sglang)")

@@ -14,7 +14,9 @@ from polar_mitm.exchange import Completion, EngineError, ToolCall
 class Engine:
     kind = "openai"
 
-    def __init__(self, base_url: str, served_model: str | None = None, timeout: float = 600.0):
+    def __init__(self, base_url: str, served_model: str | None = None, timeout: float = 600.0, split_reasoning: bool = False):
+        # engines served without a reasoning parser return `<think>...</think>` inline in content
+        self.split_reasoning = split_reasoning
         self.base_url = base_url.rstrip("/")
         # some engine endpoints (/tokenize, /health) live beside /v1, not under it
         self.root_url = self.base_url.removesuffix("/v1")
@@ -106,11 +108,15 @@ class Engine:
             for index, call in enumerate(message.get("tool_calls") or [])
         ]
         usage = raw.get("usage") or {}
+        content = message.get("content")
+        reasoning = message.get("reasoning_content") or message.get("reasoning")
+        if self.split_reasoning and reasoning is None and content:
+            content, reasoning = split_think(content)
         return Completion(
             id=raw.get("id") or f"chatcmpl-{int(time.time() * 1000)}",
             created=int(raw.get("created") or time.time()),
-            content=message.get("content"),
-            reasoning=message.get("reasoning_content") or message.get("reasoning"),
+            content=content,
+            reasoning=reasoning,
             tool_calls=tool_calls,
             finish_reason=choice.get("finish_reason") or "stop",
             prompt_token_ids=prompt_ids,
@@ -127,6 +133,15 @@ class Engine:
 
     def completion_token_ids(self, raw: dict[str, Any], choice: dict[str, Any]) -> list[int] | None:
         return choice.get("token_ids")
+
+
+def split_think(content: str) -> tuple[str | None, str | None]:
+    """(content, reasoning) from `<think>reasoning</think>content`, whitespace as Qwen3-style templates re-render it."""
+    stripped = content.lstrip()
+    if not stripped.startswith("<think>") or "</think>" not in stripped:
+        return content, None
+    inner, _, rest = stripped[len("<think>"):].partition("</think>")
+    return rest.lstrip("\n") or None, inner.strip("\n")
 
 
 def _has_max_tokens(request: dict[str, Any]) -> bool:

@@ -46,6 +46,12 @@ class PolarAddon:
         loader.add_option("polar_db", str, "polar.duckdb", "The DuckDB file every exchange is committed to.")
         loader.add_option("polar_engine", str, "vllm", "The engine kind behind polar_upstream: vllm or sglang.")
         loader.add_option("polar_engine_model", str, "", "The engine's served model name; empty: discovered from its /models.")
+        loader.add_option(
+            "polar_split_reasoning",
+            bool,
+            False,
+            "Split a leading <think>...</think> out of the engine's content into reasoning, for engines served without a reasoning parser.",
+        )
         loader.add_option("polar_engine_timeout", float, 600.0, "Seconds to wait for one engine call before answering 504.")
         loader.add_option(
             "polar_model_map",
@@ -72,7 +78,7 @@ class PolarAddon:
         if ctx.options.connection_strategy != "lazy":
             # eager would resolve provider hostnames on CONNECT, before any hook; offline that is a 502
             ctx.options.connection_strategy = "lazy"
-        if "polar_upstream" in updated or "polar_engine" in updated or "polar_engine_model" in updated or "polar_engine_timeout" in updated:
+        if "polar_upstream" in updated or "polar_engine" in updated or "polar_engine_model" in updated or "polar_engine_timeout" in updated or "polar_split_reasoning" in updated:
             upstream = ctx.options.polar_upstream
             if upstream and not upstream.startswith(("http://", "https://")):
                 raise exceptions.OptionsError(f"polar_upstream must be an http(s) URL, got {upstream!r}")
@@ -80,7 +86,7 @@ class PolarAddon:
                 raise exceptions.OptionsError(f"polar_engine must be vllm or sglang, got {ctx.options.polar_engine!r}")
             if ctx.options.polar_engine_timeout <= 0:
                 raise exceptions.OptionsError("polar_engine_timeout must be positive")
-            self.engine = make_engine(ctx.options.polar_engine, upstream, ctx.options.polar_engine_model or None, ctx.options.polar_engine_timeout) if upstream else None
+            self.engine = make_engine(ctx.options.polar_engine, upstream, ctx.options.polar_engine_model or None, ctx.options.polar_engine_timeout, ctx.options.polar_split_reasoning) if upstream else None
         if "polar_model_map" in updated:
             self.model_map = []
             for entry in ctx.options.polar_model_map:

@@ -18,6 +18,7 @@ class GatewayConfig(BaseModel):
     engine: str = Field("vllm", pattern="^(vllm|sglang)$")
     engine_model: str | None = None
     engine_timeout: float = Field(600.0, gt=0)
+    split_reasoning: bool = Field(False, description="Split inline <think>...</think> from the engine's content into reasoning.")
     model_map: list[str] = Field(default_factory=list)
     require_auth: bool = False
     passthrough: list[str] = Field(default_factory=list)
