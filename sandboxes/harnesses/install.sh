@@ -29,13 +29,15 @@ export PATH="$node_bin_dir:$PATH"
 
 # 2. the harnesses, exactly as locked
 stamp="$prefix/node_modules/.polar-mitm-stamp"
-want="$(cat "$here/package.json" "$here/package-lock.json" 2>/dev/null | sha256sum | cut -d' ' -f1) node$(node_major node)"
+want="$(cat "$here/package.json" "$here/package-lock.json" "$here/install.sh" | sha256sum | cut -d' ' -f1) node$(node_major node)"
 if [[ "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
   cp "$here/package.json" "$prefix/package.json"
   # the lock pins every transitive version; `npm install` (not `ci`: npm 11 calls its own lock of
   # platform-optional packages "out of sync") installs exactly those
   cp "$here/package-lock.json" "$prefix/package-lock.json"
   (cd "$prefix" && npm install --no-audit --no-fund >&2)
+  # npm drops the exec bit of Qwen Code's vendored ripgrep; without it Qwen falls back to a slower built-in grep
+  chmod +x "$prefix"/node_modules/@qwen-code/qwen-code/vendor/ripgrep/*/rg 2>/dev/null || true
   echo "$want" > "$stamp"
 fi
 
