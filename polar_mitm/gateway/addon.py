@@ -9,6 +9,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import logging
+import os
 import time
 import uuid
 import weakref
@@ -22,14 +23,13 @@ from mitmproxy import ctx, exceptions, http
 
 from polar_mitm import dialects, redact, session
 from polar_mitm.engines import make_engine
-from polar_mitm.engines.base import Engine
+from polar_mitm.engines.base import Engine, WireJSON
 from polar_mitm.exchange import DialectError, EngineError, ParsedRequest
+from polar_mitm.run_cli import GATEWAY_FILE
 from polar_mitm.store import Store, now
 
 log = logging.getLogger("polar_mitm.gateway")
 
-# the proxy answers these itself; everything else that is not a model call gets a local 404
-LOCAL_HEALTH_HOST = "polar.mitm"
 
 
 class PolarAddon:
@@ -39,6 +39,7 @@ class PolarAddon:
         self.secret: bytes = b""
         self.sessions_by_connection: weakref.WeakKeyDictionary[Any, tuple[str, str] | None] = weakref.WeakKeyDictionary()
         self.model_map: list[tuple[str, str | None]] = []
+        self.announced: Path | None = None
         self.engine_hook: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any] | None] | None = None
 
     def load(self, loader: Any) -> None:
@@ -105,6 +106,7 @@ class PolarAddon:
             self.secret = session.load_secret(ctx.options.confdir)
 
     async def running(self) -> None:
+        self._announce()
         if self.engine is None:
             log.warning("polar: no polar_upstream set; model calls will be answered 503")
             return
@@ -115,7 +117,21 @@ class PolarAddon:
             # not fatal: the engine may come up later; each call retries discovery
             log.warning(f"polar: {error.message}")
 
+    def _announce(self) -> None:
+        """Leave the proxy URL in the confdir, so `polar-mitm run` finds this gateway without flags."""
+        proxyserver = ctx.master.addons.get("proxyserver")
+        addresses = proxyserver.listen_addrs() if proxyserver else []
+        if not addresses:
+            return
+        host, port = addresses[0][:2]
+        host = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
+        path = Path(ctx.options.confdir).expanduser() / GATEWAY_FILE
+        path.write_text(json.dumps({"url": f"http://{host}:{port}", "pid": os.getpid(), "db": str(Path(ctx.options.polar_db).resolve())}))
+        self.announced = path
+
     async def done(self) -> None:
+        if self.announced is not None:
+            self.announced.unlink(missing_ok=True)
         if self.engine is not None:
             await self.engine.close()
         if self.store is not None:
@@ -226,9 +242,10 @@ class PolarAddon:
         engine_model = await self._engine_model(parsed.model)
         row["model_engine"] = engine_model
         if parsed.action == "count_tokens":
-            row["engine_request"] = {"messages": parsed.chat.get("messages"), "tools": parsed.chat.get("tools")}
+            count_request = self.engine.build_count_request(parsed.chat, engine_model)
+            row["engine_request"] = count_request
             row["engine_started_at"] = now()
-            count = await self.engine.count_tokens(parsed.chat, engine_model)
+            count = await self.engine.count_tokens(count_request)
             row["engine_ended_at"] = now()
             body_json = dialect.render_count_tokens(parsed, count)
             row["engine_response"] = {"count": count}
@@ -244,8 +261,9 @@ class PolarAddon:
         finally:
             row["engine_ended_at"] = now()
         row.update(
-            engine_request=sent,
-            engine_response=raw,
+            # recorded as the texts that crossed the wire, not encoded again (100+ KB of token ids and logprobs)
+            engine_request=_wire_text(sent),
+            engine_response=_wire_text(raw),
             prompt_token_ids=completion.prompt_token_ids,
             completion_token_ids=completion.completion_token_ids,
             completion_logprobs=completion.completion_logprobs,
@@ -278,6 +296,10 @@ class PolarAddon:
 def _proxy_auth_required() -> http.Response:
     body = json.dumps({"error": {"message": "polar-mitm: proxy credentials missing or invalid; use http://SESSION:TOKEN@host:port (see `polar-mitm run`)", "type": "proxy_authentication_required"}})
     return http.Response.make(407, body, {"Proxy-Authenticate": 'Basic realm="polar-mitm"', "content-type": "application/json"})
+
+
+def _wire_text(value: Any) -> Any:
+    return value.text if isinstance(value, WireJSON) else value
 
 
 def _int_or_none(value: str | None) -> int | None:
