@@ -275,13 +275,17 @@ def test_sglang_engine_token_ids(make_gateway, session_id: str) -> None:
     standin = StandinUpstream("sglang")
     try:
         gateway = make_gateway("--engine", "sglang", upstream=standin.url)
-        response = _post(gateway, session_id, {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}], "stream": True})
+        response = _post(gateway, session_id, {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}], "stop": ["STOP"], "stream": True})
         assert response.status_code == 200 and "Hi there" in response.text
         row = gateway.exchanges(session_id)[0]
         assert json.loads(row["engine_request"])["return_prompt_token_ids"] is True
         assert row["prompt_token_ids"] == [151644, 872, 198, 6023, 151645, 198, 151644, 77091, 198]
-        assert row["completion_token_ids"] == [13048, 1052, 151645]
+        assert row["completion_token_ids"] == [13048, 1052, 45537]
         assert row["completion_logprobs"] == [-0.25, -0.5, -0.125]
+        # SGLang's matched_stop is the stop string a dialect reports (here Anthropic's stop_sequence)
+        anthropic_body = {"model": "claude-x", "max_tokens": 8, "stop_sequences": ["STOP"], "messages": [{"role": "user", "content": "hi"}]}
+        stopped = _post(gateway, session_id, anthropic_body, path="/v1/messages", host="api.anthropic.com").json()
+        assert (stopped["stop_reason"], stopped["stop_sequence"], stopped["content"]) == ("stop_sequence", "STOP", [{"type": "text", "text": "Hi there"}])
     finally:
         standin.close()
 

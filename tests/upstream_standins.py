@@ -13,7 +13,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 # The reply shape of SGLang >= 0.5.13's /v1/chat/completions with return_meta_info and
-# return_prompt_token_ids (hand-made from its protocol; no SGLang can run on these CPU machines).
+# return_prompt_token_ids (hand-made from its protocol; no SGLang can run on these CPU machines): a sample ended by
+# the stop string "STOP", which SGLang names in `matched_stop` and leaves out of the text but not out of the token ids.
 SGLANG_REPLY = {
     "id": "b1f0c3",
     "object": "chat.completion",
@@ -26,7 +27,8 @@ SGLANG_REPLY = {
             "logprobs": None,
             "finish_reason": "stop",
             "prompt_token_ids": [151644, 872, 198, 6023, 151645, 198, 151644, 77091, 198],
-            "meta_info": {"output_token_logprobs": [[-0.25, 13048, "Hi"], [-0.5, 1052, " there"], [-0.125, 151645, None]]},
+            "matched_stop": "STOP",
+            "meta_info": {"output_token_logprobs": [[-0.25, 13048, "Hi"], [-0.5, 1052, " there"], [-0.125, 45537, " STOP"]]},
         }
     ],
     "usage": {"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12},

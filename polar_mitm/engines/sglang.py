@@ -2,7 +2,7 @@
 
 Request: `logprobs: true`, `return_meta_info: true`, `return_prompt_token_ids: true`.
 Reply: `choices[0].prompt_token_ids`, and `choices[0].meta_info.output_token_logprobs` as
-`[logprob, token_id, text]` triples, one per sampled token.
+`[logprob, token_id, text]` triples, one per sampled token; `choices[0].matched_stop` names the stop that ended it.
 """
 
 from __future__ import annotations
@@ -31,10 +31,17 @@ class SGLangEngine(Engine):
     def parse_completion(self, raw: dict[str, Any]) -> Completion:
         return super().parse_completion(_logprobs_from_meta_info(raw))
 
-    async def count_tokens(self, chat: dict[str, Any], model: str) -> int:
+    def stop_sequence(self, choice: dict[str, Any]) -> str | None:
+        # SGLang's `matched_stop`: the matched stop string, or a stop/EOS token id (not a sequence)
+        matched = choice.get("matched_stop")
+        return matched if isinstance(matched, str) else None
+
+    def build_count_request(self, chat: dict[str, Any], model: str) -> dict[str, Any]:
         # SGLang has no chat /tokenize; a one-token generation reports the rendered prompt's length
-        request = self.build_request({**chat, "max_tokens": 1}, model)
-        raw = await self._send("POST", "/chat/completions", request)
+        return self.build_request({**chat, "max_tokens": 1}, model)
+
+    async def count_tokens(self, count_request: dict[str, Any]) -> int:
+        raw = await self._send("POST", "/chat/completions", count_request)
         return int((raw.get("usage") or {}).get("prompt_tokens") or len(self.prompt_token_ids(raw, raw["choices"][0]) or []))
 
 

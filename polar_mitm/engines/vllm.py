@@ -13,12 +13,15 @@ class VLLMEngine(Engine):
     def token_id_fields(self) -> dict[str, Any]:
         return {"return_token_ids": True}
 
-    async def count_tokens(self, chat: dict[str, Any], model: str) -> int:
+    def build_count_request(self, chat: dict[str, Any], model: str) -> dict[str, Any]:
         # /tokenize renders the chat template exactly as a completion would
         body = {"model": model, "messages": chat["messages"], "add_generation_prompt": True}
         # the fields that change the rendered prompt (e.g. enable_thinking adds an empty think block)
         for key in ("tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message"):
             if chat.get(key) is not None:
                 body[key] = chat[key]
-        reply = await self._send("POST", "/tokenize", body, root=True)
+        return body
+
+    async def count_tokens(self, count_request: dict[str, Any]) -> int:
+        reply = await self._send("POST", "/tokenize", count_request, root=True)
         return int(reply["count"])
