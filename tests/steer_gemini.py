@@ -33,3 +33,19 @@ def _literal(text: str) -> str:
 
 def forced_arguments() -> dict[str, Any]:
     return json.loads(TOOL_CALL.split("\n")[2])["arguments"]
+
+
+THOUGHT = "Paris weather needs the get_weather tool."
+THINKING_TOOL_CALL = f"<think>\n{THOUGHT}\n</think>\n\n" + TOOL_CALL.removeprefix(PREAMBLE + "\n")
+
+
+def steer_thinking(engine_request: dict[str, Any], context: dict[str, Any]) -> dict[str, Any] | None:
+    """Like steer, but turn 1 starts with the engine's reasoning inline, as an engine without a reasoning parser
+    returns it (for a gateway started with --split-reasoning)."""
+    if engine_request["messages"][-1]["role"] == "tool":
+        text = ANSWER_AFTER_TOOL
+    elif engine_request.get("tools"):
+        text = THINKING_TOOL_CALL
+    else:
+        return None
+    return {**engine_request, "structured_outputs": {"regex": _literal(text)}}

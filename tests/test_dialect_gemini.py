@@ -290,6 +290,11 @@ def test_tool_turn_pairs_responses_by_name_and_order() -> None:
     assert parsed.ignored == ["contents[2].parts[1].functionResponse.id", "tools[1].googleSearch"]
 
 
+def signature(text: str) -> str:
+    """The thoughtSignature carrying `text`: our seal, base64-encoded as Google's bytes fields are."""
+    return base64.b64encode(reasoning.seal(text).encode()).decode()
+
+
 def make_completion(content: str | None, reasoning_text: str | None, calls: list[ToolCall]) -> Completion:
     return Completion(
         id="chatcmpl-test", created=0, content=content, reasoning=reasoning_text, tool_calls=calls, finish_reason="tool_calls" if calls else "stop",
@@ -306,8 +311,8 @@ def test_reasoning_round_trips_through_thought_signature(keep_thought_parts: boo
     completion = make_completion("Calling.", "The user wants x; call f.", [ToolCall(id="c1", name="f", arguments='{"x": 1}')])
     body = gemini.render_body(parsed, completion)
     parts = body["candidates"][0]["content"]["parts"]
-    assert parts[0] == {"text": "The user wants x; call f.", "thought": True, "thoughtSignature": reasoning.seal("The user wants x; call f.")}
-    assert parts[1:] == [{"text": "Calling."}, {"functionCall": {"name": "f", "args": {"x": 1}}, "thoughtSignature": reasoning.seal("The user wants x; call f.")}]
+    assert parts[0] == {"text": "The user wants x; call f.", "thought": True, "thoughtSignature": signature("The user wants x; call f.")}
+    assert parts[1:] == [{"text": "Calling."}, {"functionCall": {"name": "f", "args": {"x": 1}}, "thoughtSignature": signature("The user wants x; call f.")}]
     assert body["candidates"][0]["finishReason"] == "STOP"
     assert [part for event in sse_events(gemini.render_stream(parsed, completion).decode()) for part in event["candidates"][0]["content"]["parts"]] == parts
 
@@ -325,7 +330,7 @@ def test_render_without_thoughts_requested_and_with_logprobs() -> None:
     assert parsed.chat["top_logprobs"] == 2
     body = gemini.render_body(parsed, make_completion("abc", "hidden", []))
     candidate = body["candidates"][0]
-    assert candidate["content"]["parts"] == [{"text": "abc", "thoughtSignature": reasoning.seal("hidden")}]
+    assert candidate["content"]["parts"] == [{"text": "abc", "thoughtSignature": signature("hidden")}]
     assert candidate["logprobsResult"]["chosenCandidates"][1] == {"token": "b", "logProbability": -0.25}
     assert body["usageMetadata"] == {"promptTokenCount": 2, "candidatesTokenCount": 3, "totalTokenCount": 5}
     assert (body["modelVersion"], body["responseId"]) == (MODEL, "chatcmpl-test")
@@ -390,7 +395,7 @@ json_values = st.recursive(
     max_leaves=12,
 )
 names = st.sampled_from(["f", "g"])
-signatures = st.none() | st.text(max_size=8) | st.text(max_size=8).map(reasoning.seal)
+signatures = st.none() | st.text(max_size=8) | st.text(max_size=8).map(reasoning.seal) | st.text(max_size=8).map(signature)
 # mostly well-formed pieces, so that generated requests reach deep into the parser, with a random value here and there
 text_parts = st.fixed_dictionaries({"text": st.text(max_size=8)}, optional={"thought": st.booleans(), "thoughtSignature": signatures})
 call_parts = st.fixed_dictionaries({"functionCall": st.fixed_dictionaries({"name": names}, optional={"args": st.dictionaries(st.text(max_size=4), json_values, max_size=2) | json_values, "id": st.text(max_size=4)})}, optional={"thoughtSignature": signatures})
@@ -439,3 +444,49 @@ def test_generated_bodies_raise_only_dialect_errors(body: bytes, path: str, alt:
     json.dumps(parsed.chat)
     completion = make_completion("x", "r", [])
     gemini.render_stream(parsed, completion)
+
+
+# -- an engine without a reasoning parser, through `polar-mitm gateway --split-reasoning`
+
+
+def test_split_reasoning_round_trips_through_thought_signature(make_gateway: Any, session_id: str, engine_url: str) -> None:
+    """The engine answers `<think>...</think>` inline before a tool call; google-genai gets a thought part with its
+    thoughtSignature, streamed as non-streamed, and sending its Content back gives the engine what it sampled."""
+    gateway = make_gateway("--split-reasoning", "--engine-hook", f"{Path(steer_gemini.__file__)}:steer_thinking")
+    client = sdk_client(gateway, session_id)
+    config = types.GenerateContentConfig(
+        tools=[WEATHER_TOOL],
+        tool_config=types.ToolConfig(function_calling_config=types.FunctionCallingConfig(mode=types.FunctionCallingConfigMode.AUTO)),
+        thinking_config=types.ThinkingConfig(include_thoughts=True),
+        max_output_tokens=96,
+        temperature=0,
+    )
+    question = types.Content(role="user", parts=[types.Part(text="Weather in Paris?")])
+    response, chunks = both_ways(client, [question], config)
+    assert_stream_equals_body(response, chunks)
+    thought, call = response.candidates[0].content.parts
+    assert (thought.thought, thought.text) == (True, steer_gemini.THOUGHT)
+    # the signature is bytes to the SDK; Google places it on the first functionCall part too
+    assert reasoning.unseal(thought.thought_signature.decode()) == steer_gemini.THOUGHT and call.thought_signature == thought.thought_signature
+    assert (call.function_call.name, call.function_call.args) == ("get_weather", steer_gemini.forced_arguments())
+    assert len(chunks) == 2  # the thought chunk, then the functionCall chunk
+
+    # turn 2: the SDK's own Content goes back (it re-encodes the signature's bytes URL-safe), with the result
+    result = types.Content(role="user", parts=[types.Part.from_function_response(name="get_weather", response={"temperature_c": 21})])
+    answer = client.models.generate_content(model=MODEL, contents=[question, response.candidates[0].content, result], config=config)
+    assert answer.text == steer_gemini.ANSWER_AFTER_TOOL
+
+    rows = exchanges(gateway, session_id)
+    assert [row["stream"] for row in rows] == [False, True, False]
+    assert_rows_match_engine(rows)
+    # splitting is presentation only: the row keeps the engine's whole sample, `<think>` (151667) first
+    assert rows[0]["completion_token_ids"][0] == 151667
+    assistant = rows[2]["engine_request"]["messages"][1]
+    assert assistant == {"role": "assistant", "content": None, "reasoning_content": steer_gemini.THOUGHT, "tool_calls": [{"id": "call_1_1", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(steer_gemini.forced_arguments())}}]}
+    assert "contents[1]: reasoning restored from thoughtSignature" in rows[2]["normalizations"]
+    assert rows[2]["engine_request"]["chat_template_kwargs"] == {"enable_thinking": True}
+    # the engine's next prompt holds the assistant turn exactly as the engine sampled it (turn 1, streamed)
+    detokenize = lambda ids: httpx.post(engine_url.removesuffix("/v1") + "/detokenize", json={"model": "qwen3-tiny", "tokens": ids}, trust_env=False, timeout=30).json()["prompt"]  # noqa: E731
+    sampled_turn = detokenize(rows[1]["completion_token_ids"])
+    assert sampled_turn.startswith(steer_gemini.THINKING_TOOL_CALL) and sampled_turn.endswith("<|im_end|>")
+    assert f"<|im_start|>assistant\n{sampled_turn}" in detokenize(rows[2]["prompt_token_ids"])

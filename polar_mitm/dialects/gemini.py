@@ -3,9 +3,9 @@
 
 Gemini function calls carry no ids: calls get stable ids from their position in `contents`, and each
 functionResponse is paired with the earliest unanswered earlier call of the same name. The engine's reasoning
-travels in `thoughtSignature` (sealed, see reasoning.py) on the thought part and, as Google places it, on the
-first functionCall part or else the last text part: Gemini CLI drops thought parts from its history but keeps
-signatures on the others.
+travels in `thoughtSignature` (sealed, see reasoning.py, and base64-encoded: the field is bytes) on the thought
+part and, as Google places it, on the first functionCall part or else the last text part: Gemini CLI drops thought
+parts from its history but keeps signatures on the others.
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ def _assistant(parts: list[Any], index: int, at: str, normalizations: list[str],
         if not isinstance(part, dict):
             raise _bad(f"'{here}' must be a Part object", here)
         if "thoughtSignature" in part:
-            sealed = reasoning.unseal(part["thoughtSignature"])
+            sealed = _unseal_signature(part["thoughtSignature"])
             if sealed is None:
                 ignored.append(f"{here}.thoughtSignature")  # a real provider's (or a synthetic) signature: nothing to restore
             elif restored is None:
@@ -520,11 +520,29 @@ def _parts(parsed: ParsedRequest, completion: Completion) -> tuple[list[dict[str
     if completion.content or not call_parts:
         text_parts.append({"text": completion.content or ""})
     if completion.reasoning:
-        signature = reasoning.seal(completion.reasoning)
+        signature = _seal_signature(completion.reasoning)
         if parsed.render.get("include_thoughts"):
             thought_parts.append({"text": completion.reasoning, "thought": True, "thoughtSignature": signature})
         (call_parts[0] if call_parts else text_parts[-1])["thoughtSignature"] = signature
     return thought_parts, text_parts, call_parts
+
+
+def _seal_signature(text: str) -> str:
+    """thoughtSignature is a bytes field (base64 in JSON): google-genai decodes it and re-encodes it URL-safe, so the
+    sealed reasoning travels as base64 of its bytes."""
+    return base64.b64encode(reasoning.seal(text).encode()).decode()
+
+
+def _unseal_signature(signature: Any) -> str | None:
+    """The reasoning in a signature we issued, in either base64 alphabet, padded or not; None for anyone else's."""
+    if not isinstance(signature, str):
+        return None
+    standard = signature.replace("-", "+").replace("_", "/")
+    try:
+        sealed = base64.b64decode(standard + "=" * (-len(standard) % 4), validate=True).decode()
+    except ValueError:  # not base64 (binascii.Error), not ASCII, not UTF-8
+        return None
+    return reasoning.unseal(sealed)
 
 
 def _arguments(arguments: str, name: str) -> dict[str, Any]:
