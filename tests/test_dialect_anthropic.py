@@ -225,7 +225,7 @@ def test_thinking_signature_restores_reasoning(gateway: Gateway, session_id: str
     assert second.stop_reason == "end_turn"
     row = gateway.exchanges(session_id)[1]
     assistant = json.loads(row["engine_request"])["messages"][1]
-    assert assistant["reasoning"] == engine_reasoning and [assistant["content"]] == answer
+    assert assistant["reasoning_content"] == engine_reasoning and [assistant["content"]] == answer
     assert json.loads(row["engine_request"])["chat_template_kwargs"] == {"enable_thinking": True}
     assert "messages[1].content[0]: reasoning restored from the thinking signature" in row["normalizations"]
     assert {"thinking.budget_tokens", "messages[2].content[0].is_error"} <= set(row["ignored_fields"])
@@ -278,6 +278,10 @@ def test_count_tokens_is_the_engine_tokenizers_count(gateway: Gateway, session_i
     assert count_row["api"] == "anthropic_messages" and count_row["action"] == "count_tokens" and count_row["status"] == "ok"
     assert json.loads(count_row["response_body"]) == {"input_tokens": expected}
     assert json.loads(count_row["engine_response"]) == {"count": expected}
+    # the row records the exact /tokenize body the engine counted
+    tokenized = json.loads(count_row["engine_request"])
+    assert tokenized == {"model": "qwen3-tiny", "messages": json.loads(generate_row["engine_request"])["messages"], "add_generation_prompt": True, "tools": json.loads(generate_row["engine_request"])["tools"], "chat_template_kwargs": {"enable_thinking": False}}
+    assert httpx.post(f"{gateway.upstream.removesuffix('/v1')}/tokenize", json=tokenized).json()["count"] == expected
     assert generate_row["prompt_tokens"] == expected
 
 
@@ -448,7 +452,7 @@ def test_thinking_blocks_stream_through_the_sdk() -> None:
         # next turn: the client sends the content back; the engine gets the reasoning, also when its text was omitted
         follow_up = {**request, "messages": request["messages"] + [{"role": "assistant", "content": body["content"]}, {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_77ab", "content": "a.txt"}]}]}
         assistant = anthropic_messages.parse(json.dumps(follow_up).encode(), "/v1/messages").chat["messages"][1]
-        assert assistant["reasoning"] == completion.reasoning and assistant["content"] == "Let me look."
+        assert assistant["reasoning_content"] == completion.reasoning and assistant["content"] == "Let me look."
 
 
 # -- hypothesis: whatever the body, parse() answers a ParsedRequest or a DialectError (a provider-shaped 4xx)
@@ -547,3 +551,48 @@ def test_deeply_nested_json_is_a_bad_request() -> None:
     with pytest.raises(DialectError) as raised:
         anthropic_messages.parse(b'{"model": "m", "max_tokens": 1, "messages": ' + b"[" * 100_000, "/v1/messages")
     assert raised.value.status == 400
+
+
+# -- an engine without a reasoning parser, through `polar-mitm gateway --split-reasoning`
+
+
+@pytest.mark.engine
+def test_split_reasoning_round_trips_through_the_thinking_signature(make_gateway: Any, session_id: str) -> None:
+    """The engine answers `<think>...</think>` inline before a tool call; the client gets a thinking block with its
+    signature, streamed as non-streamed, and sending the turn back gives the engine what it sampled."""
+    gateway = make_gateway("--split-reasoning")
+    thought = "The user wants the files; Bash can list them."
+    sampled = f"<think>\n{thought}\n</think>\n\n{FORCED_CALL}"
+    user = {"role": "user", "content": "List the files"}
+    request = dict(model=MODEL, thinking={"type": "enabled", "budget_tokens": 1024}, tools=[BASH_TOOL], tool_choice={"type": "auto"})
+    with proxy_env(gateway, session_id):
+        client = sdk_client()
+        plain, streamed, helper = three_ways(client, **request, max_tokens=96, messages=[user], extra_body=forced(sampled))
+        thinking, call = plain["content"]
+        assert thinking == {"type": "thinking", "thinking": thought, "signature": reasoning.seal(thought)}
+        assert (call["type"], call["name"], call["input"], plain["stop_reason"]) == ("tool_use", "Bash", {"command": "ls -la"}, "tool_use")
+        rows = assert_rows(gateway, session_id, 3)
+        assert_streams_match_rows(rows, plain, streamed, helper)
+        deltas = [data["delta"]["type"] for name, data in sse_events(rows[1]["response_stream"]) if name == "content_block_delta"]
+        assert deltas == ["thinking_delta", "signature_delta", "input_json_delta"]
+        # turn 2: Claude Code streams; it sends back the message the stream helper built, then the tool result
+        tool_use_id = helper["content"][1]["id"]
+        history = [user, {"role": "assistant", "content": helper["content"]}, {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tool_use_id, "content": "README.md"}]}]
+        answer = client.messages.create(**request, max_tokens=16, messages=history, extra_body=forced("There is one file."))
+    assert answer.content[0].text == "There is one file."
+    rows = assert_rows(gateway, session_id, 4)
+    # splitting is presentation only: the row keeps the engine's whole sample, `<think>` (151667) first
+    assert rows[0]["completion_token_ids"][0] == 151667
+    sent = json.loads(rows[3]["engine_request"])
+    assistant = sent["messages"][1]
+    assert assistant["reasoning_content"] == thought and sent["chat_template_kwargs"] == {"enable_thinking": True}
+    assert [(c["id"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in assistant["tool_calls"]] == [(tool_use_id, "Bash", {"command": "ls -la"})]
+    # the engine's next prompt holds the assistant turn exactly as the engine sampled it (turn 1, the helper's stream)
+    sampled_turn = detokenize(gateway, rows[2]["completion_token_ids"])
+    assert sampled_turn.startswith(sampled) and sampled_turn.endswith("<|im_end|>")
+    assert f"<|im_start|>assistant\n{sampled_turn}" in detokenize(gateway, rows[3]["prompt_token_ids"])
+
+
+def detokenize(gateway: Gateway, token_ids: list[int]) -> str:
+    reply = httpx.post(f"{gateway.upstream.removesuffix('/v1')}/detokenize", json={"model": "qwen3-tiny", "tokens": token_ids}, trust_env=False, timeout=30)
+    return reply.json()["prompt"]

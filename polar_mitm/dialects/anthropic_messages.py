@@ -297,7 +297,8 @@ def _assistant_turn(blocks: list[Any], where: str, notes: _Notes) -> tuple[dict[
             raise _unsupported(kind, block_where, "assistant")
     turn: dict[str, Any] = {"role": "assistant", "content": texts[0] if len(texts) == 1 else [{"type": "text", "text": text} for text in texts]}
     if reasonings:
-        turn["reasoning"] = "\n".join(reasonings)
+        # reasoning_content: the name SGLang reads (vLLM reads it too), as the other dialects send it
+        turn["reasoning_content"] = "\n".join(reasonings)
     if tool_calls:
         turn["tool_calls"] = tool_calls
     return turn, {call["id"] for call in tool_calls}
