@@ -502,3 +502,49 @@ def test_generated_bodies_only_raise_dialect_errors(body: Any) -> None:
     rendered = json.loads(json.dumps(openai_responses.render_body(parsed, answer)))
     events = sse_events(openai_responses.render_stream(parsed, answer))
     assert accumulate(events) == outline(rendered) and events[-1]["response"] == rendered
+
+
+# -- an engine without a reasoning parser, through `polar-mitm gateway --split-reasoning`
+
+
+@pytest.mark.engine
+def test_split_reasoning_round_trips_through_encrypted_content(make_gateway: Any, session_id: str, engine_url: str) -> None:
+    """The engine answers `<think>...</think>` inline before a tool call; the client gets a reasoning item with
+    encrypted_content, streamed as non-streamed, and sending the items back gives the engine what it sampled."""
+    gateway = make_gateway("--split-reasoning")
+    thought = "The user wants the files listed, so I run ls."
+    arguments = {"cmd": "ls"}
+    user = {"role": "user", "content": "List the files."}
+    request = dict(model=MODEL, tools=[SHELL_TOOL], tool_choice="auto", include=["reasoning.encrypted_content"], reasoning={"summary": "auto"}, temperature=0)
+    with proxy_env(gateway, session_id):
+        client = openai.OpenAI(api_key="sk-test")
+        sampled = f"<think>\n{thought}\n</think>\n\n" + tool_call_text("shell", arguments)
+        plain, events, final = three_ways(client, **request, input=[user], max_output_tokens=96, extra_body=forced(sampled))
+        item, call = plain["output"]
+        assert (item["type"], item["content"], item["summary"]) == ("reasoning", [{"type": "reasoning_text", "text": thought}], [{"type": "summary_text", "text": thought}])
+        assert reasoning.unseal(item["encrypted_content"]) == thought
+        assert (call["type"], call["name"], json.loads(call["arguments"])) == ("function_call", "shell", arguments)
+        assert_streams_match(plain, events, final)
+        kinds = [event["type"] for event in events]
+        assert kinds.index("response.reasoning_text.delta") < kinds.index("response.reasoning_summary_text.delta") < kinds.index("response.function_call_arguments.delta")
+        # turn 2, the way Codex builds its history: the stream's finished output items, then the tool's output
+        streamed_items = [event["item"] for event in events if event["type"] == "response.output_item.done"]
+        history = [user, *streamed_items, {"type": "function_call_output", "call_id": streamed_items[1]["call_id"], "output": "README.md"}]
+        answer = client.responses.create(**request, input=history, max_output_tokens=8, extra_body=forced("One file."))
+    assert answer.output_text == "One file."
+    rows = gateway.exchanges(session_id)
+    assert_rows(rows, [False, True, True, False])
+    # splitting is presentation only: the row keeps the engine's whole sample, `<think>` (151667) first
+    assert rows[0]["completion_token_ids"][0] == 151667 and as_json(rows[0]["engine_response"])["choices"][0]["message"]["content"].startswith("<think>")
+    streamed_call = streamed_items[1]
+    assistant = as_json(rows[3]["engine_request"])["messages"][1]
+    assert assistant == {"role": "assistant", "content": None, "reasoning_content": thought, "tool_calls": [{"id": streamed_call["call_id"], "type": "function", "function": {"name": "shell", "arguments": streamed_call["arguments"]}}]}
+    # the engine's next prompt holds the assistant turn exactly as the engine sampled it (turn 1, streamed)
+    sampled_turn = detokenize(engine_url, rows[1]["completion_token_ids"])
+    assert sampled_turn.startswith(sampled) and sampled_turn.endswith("<|im_end|>")
+    assert f"<|im_start|>assistant\n{sampled_turn}" in detokenize(engine_url, rows[3]["prompt_token_ids"])
+
+
+def detokenize(engine_url: str, token_ids: list[int]) -> str:
+    reply = httpx.post(engine_url.removesuffix("/v1") + "/detokenize", json={"model": "qwen3-tiny", "tokens": token_ids}, trust_env=False, timeout=30)
+    return reply.json()["prompt"]
