@@ -14,6 +14,7 @@ COMMAND_MODULES = [
     "polar_mitm.run_cli",
     "polar_mitm.demo",
     "polar_mitm.assembler.cli",
+    "polar_mitm.rollout.cli",
 ]
 
 

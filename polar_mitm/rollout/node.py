@@ -1,0 +1,267 @@
+"""The gateway node: one per machine. It runs the polar gateway in-process, owns the store, makes sandboxes
+and runs this machine's sessions (scheduler.SessionRun) behind the scheduler's one narrow interface, `Node`.
+
+Store writes. DuckDB allows one writing process per file, and the gateway's Store already has the one writer
+thread (group commits). The node runs the gateway in its own process, so it takes that same Store object
+(`addon.store`) and sends its own statements through `Store.execute_write`: the `sessions` row of each
+session (task id, status, reward, timings, metadata, error) is upserted at every stage change, serialised
+with the exchange commits, without touching the gateway's `n_exchanges`/`last_seen_at` bookkeeping. Reads
+(exchange counts, the assembler) use `Store.query`; other processes read through the store's SQL endpoint
+as usual (`polar-mitm sql`, `polar_mitm.store.query`).
+
+Scale-out: a distributed engine would run one GatewayNode per machine and implement `Node` by forwarding
+check / run_session / export_task to it; nothing else crosses the boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from polar_mitm import harnesses
+from polar_mitm.gateway.config import DEFAULT_CONFDIR, GatewayConfig
+from polar_mitm.rollout import relay, runtimes
+from polar_mitm.rollout.models import SessionResult, TaskRequest, TrajectorySummary, UploadStep
+from polar_mitm.rollout.runtimes import GatewayAccess, Sandbox, SandboxSpec
+from polar_mitm.rollout.scheduler import RequestRejected, SessionRun, SessionWork, StageLimits, Stages
+from polar_mitm.store import Store, now
+
+log = logging.getLogger("polar_mitm.rollout")
+
+
+class NodeConfig(BaseModel):
+    upstream: str = Field(description="The engine's OpenAI-compatible base URL.")
+    db: Path = Field(Path("polar.duckdb"), description="The DuckDB store (the node's gateway owns it).")
+    confdir: str = Field(DEFAULT_CONFDIR, description="mitmproxy confdir: CA and session secret.")
+    gateway_port: int = Field(0, ge=0, le=65535, description="The gateway's proxy port on 127.0.0.1 (0: a free one).")
+    engine: str = "vllm"
+    engine_model: str | None = None
+    engine_hook: str = ""
+    output_dir: Path | None = Field(None, description="Harness logs and Parquet files (default: <db>.rollouts/ beside the store).")
+    limits: StageLimits = Field(default_factory=StageLimits)
+    verbose: bool = False
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class InProcessGateway:
+    """mitmproxy with the polar addon on its own thread and event loop, in this process."""
+
+    def __init__(self, config: GatewayConfig):
+        self.config = config
+        self.master: Any = None
+        self.thread: threading.Thread | None = None
+        self.failure: BaseException | None = None
+
+    @property
+    def store(self) -> Store:
+        store = self.master.addons.get("polaraddon").store if self.master else None
+        if store is None:
+            raise RuntimeError("the gateway's store is not open")
+        return store
+
+    def start(self, timeout: float = 60.0) -> None:
+        created = threading.Event()
+        self.thread = threading.Thread(target=self._main, args=(created,), name="polar-gateway", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        ca = Path(self.config.confdir).expanduser() / "mitmproxy-ca-cert.pem"
+        while time.monotonic() < deadline:
+            if self.failure is not None or not self.thread.is_alive():
+                raise RuntimeError(f"the gateway did not start: {self.failure!r}")
+            if created.is_set() and ca.exists() and _listening(self.config.port):
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"the gateway did not listen on 127.0.0.1:{self.config.port} within {timeout:.0f}s")
+
+    def _main(self, created: threading.Event) -> None:
+        from polar_mitm.gateway.server import make_master
+
+        async def serve() -> None:
+            self.master = make_master(self.config)
+            created.set()
+            await self.master.run()
+
+        try:
+            asyncio.run(serve())
+        except BaseException as error:  # noqa: BLE001 - SystemExit from mitmproxy's startup check included
+            self.failure = error
+
+    def stop(self) -> None:
+        if self.master is not None:
+            self.master.shutdown()
+        if self.thread is not None:
+            self.thread.join(timeout=30)
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as probe:
+        probe.settimeout(0.2)
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+class GatewayNode:
+    """This machine: its gateway, store, sandboxes and stage limits. Implements scheduler.Node."""
+
+    def __init__(self, config: NodeConfig):
+        # sandboxes run elsewhere: every path handed to them must be absolute
+        self.confdir = Path(config.confdir).expanduser().resolve()
+        self.config = config
+        self.port = config.gateway_port or free_port()
+        self.output_dir = (config.output_dir or config.db.with_suffix(".rollouts")).resolve()
+        self.gateway = InProcessGateway(
+            GatewayConfig(
+                port=self.port, upstream=config.upstream, db=config.db, confdir=str(self.confdir), engine=config.engine,
+                engine_model=config.engine_model, engine_hook=config.engine_hook, require_auth=True, verbose=config.verbose,
+            )
+        )
+        self.stages: Stages | None = None
+        self.relay_dir: Path | None = None
+        self.relay_server: asyncio.AbstractServer | None = None
+
+    @property
+    def gateway_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def store(self) -> Store:
+        return self.gateway.store
+
+    async def start(self) -> None:
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(self.gateway.start)
+        self.stages = Stages(self.config.limits)
+        # sandboxes without a network reach the gateway through this socket (mounted into containers)
+        self.relay_dir = Path(tempfile.mkdtemp(prefix="polar-node-"))
+        self.relay_dir.chmod(0o755)
+        self.relay_server = await relay.serve_unix_to_tcp(str(self.relay_dir / "gateway.sock"), "127.0.0.1", self.port)
+
+    async def stop(self) -> None:
+        if self.relay_server is not None:
+            self.relay_server.close()
+        if self.relay_dir is not None:
+            shutil.rmtree(self.relay_dir, ignore_errors=True)
+        await asyncio.to_thread(self.gateway.stop)
+
+    def health(self) -> dict[str, Any]:
+        return {"gateway": self.gateway_url, "gateway_listening": _listening(self.port), "upstream": self.config.upstream, "db": str(self.config.db), "limits": self.config.limits.model_dump()}
+
+    # -- the Node interface
+    async def check(self, request: TaskRequest) -> None:
+        await asyncio.to_thread(self._check, request)
+
+    def _check(self, request: TaskRequest) -> None:
+        runtime = request.runtime
+        harness = harnesses.get(request.agent.harness)
+        if runtime.backend == "local" or runtime.mount_harnesses:
+            try:
+                harness.executable()
+            except harnesses.HarnessNotInstalled as error:
+                raise RequestRejected(("agent", "harness"), str(error)) from None
+        if runtime.backend == "docker":
+            from polar_mitm.rollout.runtimes import docker
+
+            try:
+                docker.check_image(runtime.image)
+            except docker.DockerUnavailable as error:
+                raise RequestRejected(("runtime", "image" if "image" in str(error) else "backend"), str(error)) from None
+        for index, step in enumerate(runtime.prepare):
+            if isinstance(step, UploadStep) and step.upload.source is not None and not Path(step.upload.source).expanduser().exists():
+                raise RequestRejected(("runtime", "prepare", str(index), "upload", "source"), f"{step.upload.source!r} does not exist on the rollout server's machine")
+        if request.evaluator is not None and request.evaluator.python is not None:
+            from polar_mitm.gateway.addon import load_hook
+
+            try:
+                load_hook(request.evaluator.python)
+            except Exception as error:  # noqa: BLE001 - any import failure is the request's problem
+                raise RequestRejected(("evaluator", "python"), f"cannot load {request.evaluator.python!r}: {error}") from None
+
+    async def run_session(self, work: SessionWork, report: Any) -> SessionResult:
+        assert self.stages is not None, "start() the node first"
+        return await SessionRun(work, self, self.stages, report).run()
+
+    async def export_task(self, task_id: str, session_ids: list[str], builder: str, options: dict[str, Any]) -> tuple[str | None, dict[str, Any] | None]:
+        return await asyncio.to_thread(self._export_task, task_id, session_ids, builder, options)
+
+    def _export_task(self, task_id: str, session_ids: list[str], builder: str, options: dict[str, Any]) -> tuple[str | None, dict[str, Any] | None]:
+        from polar_mitm.assembler import assemble
+        from polar_mitm.assembler.export import store_trajectories, write_parquet
+
+        sequences, groups = [], []
+        for session_id in session_ids:
+            try:
+                assembly = assemble(None, builder, session_id, store=self.store, lenient=bool(options.get("lenient")))
+            except LookupError:  # no model exchange was ever answered in this session
+                continue
+            sequences.extend(assembly.sequences)
+            groups = [g for g in assembly.groups if g.group_id == task_id] or groups
+        path = write_parquet(sequences, self.output_dir / f"{task_id}.parquet")
+        written = store_trajectories(None, path, store_object=self.store)
+        stats = {
+            "builder": builder,
+            "sequences": len(sequences),
+            "sessions": len({s.session_id for s in sequences}),
+            "trainable_sequences": sum(s.trainable for s in sequences),
+            "sampled_tokens": sum(s.sampled_tokens for s in sequences),
+            "trainable_tokens": sum(sum(s.loss_mask) for s in sequences),
+            "sequence_tokens": sum(len(s.input_ids) for s in sequences),
+            "group": groups[0].model_dump() if groups else None,
+            "table": written.message,
+        }
+        return str(path), stats
+
+    # -- the Workbench SessionRun uses
+    async def create_sandbox(self, work: SessionWork) -> Sandbox:
+        access = GatewayAccess(url=self.gateway_url, confdir=self.confdir, relay_socket=self.relay_dir / "gateway.sock" if self.relay_dir else None)
+        return await runtimes.create(SandboxSpec(sandbox_id=work.session_id, runtime=work.request.runtime, gateway=access))
+
+    async def count_exchanges(self, session_id: str) -> int:
+        _, rows = await asyncio.to_thread(self.store.query, "SELECT count(*) FROM exchanges WHERE session_id = ?", [session_id])
+        return int(rows[0][0])
+
+    async def build(self, session_id: str, builder: str, options: dict[str, Any]) -> TrajectorySummary:
+        return await asyncio.to_thread(self._build, session_id, builder, options)
+
+    def _build(self, session_id: str, builder: str, options: dict[str, Any]) -> TrajectorySummary:
+        from polar_mitm.assembler import assemble
+
+        try:
+            stats = assemble(None, builder, session_id, store=self.store, lenient=bool(options.get("lenient"))).stats
+        except LookupError:
+            return TrajectorySummary(builder=builder)
+        return TrajectorySummary(
+            builder=builder, sequences=stats.sequences, exchanges=stats.exchanges, sampled_tokens=stats.sampled_tokens,
+            sequence_tokens=stats.sequence_tokens, breaks={kind: n for kind, n in stats.breaks.items() if n},
+        )
+
+    async def record(self, result: SessionResult) -> None:
+        stamp = now()
+        params = [
+            result.session_id, stamp, stamp, result.harness, result.task_id, result.status, result.reward,
+            json.dumps({stage: timing.model_dump(mode="json") for stage, timing in result.timings.items()}),
+            json.dumps(result.metadata), result.error,
+        ]
+        await asyncio.to_thread(self.store.execute_write, RECORD_SESSION, params)
+
+
+# n_exchanges starts at 0 so the gateway's `n_exchanges + 1` counts on from it; its columns are left alone
+RECORD_SESSION = (
+    "INSERT INTO sessions (session_id, created_at, last_seen_at, n_exchanges, harness, task_id, status, reward, timings, metadata, error) "
+    "VALUES (?, ?, ?, 0, ?, ?, ?, ?, ?, ?, ?) "
+    "ON CONFLICT (session_id) DO UPDATE SET task_id = excluded.task_id, status = excluded.status, reward = excluded.reward, "
+    "timings = excluded.timings, metadata = excluded.metadata, error = excluded.error, harness = coalesce(sessions.harness, excluded.harness)"
+)

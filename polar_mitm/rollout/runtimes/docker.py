@@ -1,0 +1,268 @@
+"""The docker runtime: each session in its own container, through the docker SDK against a real Docker engine.
+
+The container reaches only the gateway. With `network: gateway` (the default) it has no network at all
+(`--network none`): its HTTPS_PROXY is a relay on its own loopback (polar_mitm/rollout/relay.py, run by the
+image's python3 as the container's main process) that forwards to a unix socket bind-mounted from the node,
+which ends at the gateway. `network: host` shares the machine's network (the proxy settings still route the
+harness). The gateway's CA bundle is mounted read-only (the session secret is not); the host's pinned
+Node + harness install is mounted read-only at the same path, so the harness presets' argv and PATH hold
+inside. CPU and memory limits are the container's. Images: sandboxes/docker/ (no registry needed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import tarfile
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from polar_mitm import harnesses, run_cli
+from polar_mitm.harnesses import Harness
+from polar_mitm.rollout import relay
+from polar_mitm.rollout.models import Agent, Upload
+from polar_mitm.rollout.runtimes import ExecResult, Sandbox, SandboxSpec, write_home_files
+
+DEFAULT_WORKDIR = "/workspace"
+HOME = "/home/agent"
+CONTAINER_CA = "/etc/polar-mitm/ca-bundle.pem"
+CONTAINER_RELAY_DIR = "/run/polar-mitm"
+RELAY_PORT = 3128
+PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+LABEL = "polar-mitm.session"
+HARNESS_LOG = "/tmp/polar-harness.log"
+READY_TIMEOUT = 30.0
+
+_client: Any = None
+_client_lock = threading.Lock()
+
+
+async def _settled(work) -> None:
+    """Finish `work` even when the caller is being cancelled (the cancel is re-raised by the caller's own path)."""
+    task = asyncio.ensure_future(work)
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await task
+        raise
+
+
+class DockerUnavailable(RuntimeError):
+    pass
+
+
+def client() -> Any:
+    """One docker SDK client per process, from DOCKER_HOST (sandboxes/docker/dockerd.sh prints it)."""
+    global _client
+    with _client_lock:
+        if _client is None:
+            import docker
+
+            try:
+                _client = docker.from_env(version="auto", timeout=120)
+                _client.ping()
+            except Exception as error:  # noqa: BLE001 - every way of not reaching the engine reads the same to a user
+                _client = None
+                raise DockerUnavailable(f"no Docker engine reachable (DOCKER_HOST; start one with sandboxes/docker/dockerd.sh): {error}") from error
+        return _client
+
+
+def check_image(image: str) -> None:
+    import docker
+
+    try:
+        client().images.get(image)
+    except docker.errors.ImageNotFound:
+        raise DockerUnavailable(f"image {image!r} is not in the Docker engine; build it with sandboxes/docker/build-image.sh (no registry is used)") from None
+
+
+class DockerSandbox(Sandbox):
+    def __init__(self, spec: SandboxSpec):
+        super().__init__(spec)
+        self.container: Any = None
+        self.workdir = spec.runtime.workdir or DEFAULT_WORKDIR
+        self.home = HOME
+
+    # -- lifecycle
+    async def start(self) -> None:
+        await asyncio.to_thread(self._start)
+
+    def _start(self) -> None:
+        from docker.types import Mount
+
+        runtime = self.spec.runtime
+        mounts = [Mount(CONTAINER_CA, str(run_cli.ca_bundle(self.spec.gateway.confdir)), type="bind", read_only=True)]
+        if runtime.mount_harnesses:
+            prefix = harnesses.install_prefix()
+            mounts.append(Mount(str(prefix), str(prefix), type="bind", read_only=True))
+            node_dir = harnesses.node_bin_dir()
+            if node_dir is not None and not node_dir.is_relative_to(prefix):
+                mounts.append(Mount("/usr/local/bin/node", str(node_dir / "node"), type="bind", read_only=True))
+        if runtime.network == "gateway":
+            socket = self.spec.gateway.relay_socket
+            if socket is None:
+                raise DockerUnavailable("the node has no relay socket for network 'gateway'")
+            mounts.append(Mount(CONTAINER_RELAY_DIR, str(socket.parent), type="bind", read_only=False))
+            command = ["python3", "-c", Path(relay.__file__).read_text(), "tcp-to-unix", f"{CONTAINER_RELAY_DIR}/{socket.name}", str(RELAY_PORT)]
+            network = "none"
+        else:
+            command = ["sleep", "infinity"]
+            network = "host"
+        import docker
+
+        try:
+            self.container = client().containers.run(
+                runtime.image, command, detach=True, init=True, network_mode=network, mounts=mounts,
+                labels={LABEL: self.id}, environment={"LANG": "C.UTF-8", **runtime.env},
+                nano_cpus=int(runtime.cpus * 1e9) if runtime.cpus else None, mem_limit=runtime.memory,
+                hostname="sandbox",
+            )
+        except docker.errors.ImageNotFound:
+            raise DockerUnavailable(f"image {runtime.image!r} is not in the Docker engine; build it with sandboxes/docker/build-image.sh") from None
+        if runtime.network == "gateway":
+            self._wait_for_relay()
+        self._exec_blocking(["mkdir", "-p", self.workdir, self.home], {}, "/")
+
+    def _wait_for_relay(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT
+        while time.monotonic() < deadline:
+            self.container.reload()
+            logs = self.container.logs().decode("utf-8", "replace")
+            if relay.READY in logs:
+                return
+            if self.container.status == "exited":
+                raise DockerUnavailable(f"the gateway relay in image {self.spec.runtime.image!r} exited (it needs python3, or use network 'host'): {logs[-1500:]}")
+            time.sleep(0.1)
+        raise DockerUnavailable(f"the gateway relay did not start within {READY_TIMEOUT:.0f}s")
+
+    async def destroy(self) -> None:
+        if self.container is not None:
+            await asyncio.to_thread(self._remove)
+
+    def _remove(self) -> None:
+        import docker
+
+        try:
+            self.container.remove(force=True)
+        except docker.errors.NotFound:
+            pass
+
+    def gone(self) -> bool:
+        import docker
+
+        if self.container is None:
+            return True
+        try:
+            client().containers.get(self.container.id)
+        except docker.errors.NotFound:
+            return True
+        return False
+
+    # -- files
+    def _inside(self, path: str) -> str:
+        return str(PurePosixPath(self.workdir) / path)
+
+    async def upload(self, upload: Upload) -> None:
+        target = PurePosixPath(self._inside(upload.target))
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w") as tar:
+            if upload.content is not None:
+                data = upload.content.encode()
+                info = tarfile.TarInfo(target.name)
+                info.size, info.mode, info.mtime = len(data), upload.mode if upload.mode is not None else 0o644, int(time.time())
+                tar.addfile(info, io.BytesIO(data))
+            else:
+                source = Path(upload.source or "").expanduser()
+                if not source.exists():
+                    raise FileNotFoundError(f"upload source {str(source)!r} does not exist on the rollout server's machine")
+                tar.add(str(source), arcname=target.name)
+        await self._put(str(target.parent), buffer.getvalue())
+
+    async def _put(self, directory: str, data: bytes) -> None:
+        await asyncio.to_thread(self._exec_blocking, ["mkdir", "-p", directory], {}, "/")
+        if not await asyncio.to_thread(self.container.put_archive, directory, data):
+            raise RuntimeError(f"could not copy into {directory} of the container")
+
+    async def read_file(self, path: str) -> bytes:
+        return await self._read(self._inside(path))
+
+    async def _read(self, absolute: str) -> bytes:
+        def read() -> bytes:
+            stream, _ = self.container.get_archive(absolute)
+            with tarfile.open(fileobj=io.BytesIO(b"".join(stream))) as tar:
+                member = tar.next()
+                handle = tar.extractfile(member) if member is not None else None
+                if handle is None:
+                    raise IsADirectoryError(absolute)
+                return handle.read()
+
+        return await asyncio.to_thread(read)
+
+    # -- processes
+    def _exec_blocking(self, argv: list[str], env: Mapping[str, str], workdir: str) -> ExecResult:
+        api = client().api
+        exec_id = api.exec_create(self.container.id, argv, environment=dict(env), workdir=workdir, stdout=True, stderr=True)["Id"]
+        stdout, stderr = api.exec_start(exec_id, demux=True)
+        code = api.exec_inspect(exec_id).get("ExitCode")
+        return ExecResult(code if code is not None else -1, (stdout or b"").decode("utf-8", "replace"), (stderr or b"").decode("utf-8", "replace"))
+
+    async def _exec(self, argv: list[str], env: Mapping[str, str], timeout: float | None) -> ExecResult:
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(self._exec_blocking, argv, env, self.workdir), timeout)
+        except BaseException:  # TimeoutError or CancelledError: the exec cannot be killed alone; the container goes
+            await asyncio.to_thread(self._kill)
+            raise
+
+    def _kill(self) -> None:
+        import docker
+
+        try:
+            self.container.kill()
+        except docker.errors.APIError:  # already stopped or gone
+            pass
+
+    async def exec(self, command: str, timeout: float | None, env: Mapping[str, str] | None = None) -> ExecResult:
+        return await self._exec(["bash", "-c", command], {"HOME": self.home, **self.spec.runtime.env, **(env or {})}, timeout)
+
+    async def prepare_harness(self, harness: Harness, agent: Agent, instruction: str) -> tuple[list[str], dict[str, str]]:
+        with tempfile.TemporaryDirectory(prefix="polar-home-") as staging:
+            harness.prepare_home(staging, agent.model)
+            write_home_files(Path(staging), agent.home_files)
+            buffer = io.BytesIO()
+            with tarfile.open(fileobj=buffer, mode="w") as tar:
+                for entry in Path(staging).iterdir():
+                    tar.add(str(entry), arcname=entry.name)
+        await self._put(self.home, buffer.getvalue())
+        routed = self.proxy_environment({"PATH": PATH, "LANG": "C.UTF-8", **self.spec.runtime.env})
+        routed.update({name: CONTAINER_CA for name in run_cli.CA_VARIABLES})
+        if self.spec.runtime.network == "gateway":
+            # same credentials, the container's own loopback relay instead of the gateway's port
+            credentials = routed["HTTPS_PROXY"].split("@", 1)[0]
+            routed.update({name: f"{credentials}@127.0.0.1:{RELAY_PORT}" for name in run_cli.PROXY_VARIABLES})
+        env = harness.environment(self.home, agent.model, base=routed)
+        env.update(agent.env)
+        if self.spec.runtime.mount_harnesses:
+            argv = harness.command(instruction, agent.model)
+        else:  # the image's own install, found on its PATH
+            argv = [harness.binary, *harness.arguments(instruction, agent.model or harness.default_model)]
+        return argv, env
+
+    async def run_harness(self, argv: list[str], env: dict[str, str], timeout: float, output: Path) -> int:
+        # its output goes to a file in the container, copied out afterwards (a killed container still has it):
+        # simpler and sturdier than the SDK's exec output stream
+        redirected = ["sh", "-c", f'exec "$@" > {HARNESS_LOG} 2>&1', "harness", *argv]
+        try:
+            return (await self._exec(redirected, env, timeout)).exit_code
+        finally:
+            await _settled(self._copy_log(output))
+
+    async def _copy_log(self, output: Path) -> None:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            output.write_bytes(await self._read(HARNESS_LOG))
+        except Exception as error:  # noqa: BLE001 - a missing log must not hide the run's own outcome
+            output.write_text(f"(no harness output: {type(error).__name__}: {error})\n")

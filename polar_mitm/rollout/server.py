@@ -1,0 +1,123 @@
+"""The rollout server's HTTP API (FastAPI; the OpenAPI schema is at /openapi.json, docs at /docs).
+
+    POST   /tasks                 TaskRequest -> 202 TaskAccepted, at once; the sessions run in the background
+    GET    /tasks                 every task's TaskResult (live)
+    GET    /tasks/{id}            TaskResult (live: status "running" until every session ended)
+    GET    /tasks/{id}/sessions   its SessionResults
+    GET    /sessions/{id}         one SessionResult
+    DELETE /tasks/{id}            cancel the task's unfinished sessions -> 202 TaskResult
+    DELETE /sessions/{id}         cancel one session -> 202 SessionResult
+    GET    /health
+
+A request that cannot run is a 422 whose `message` names the field (`agent.harness: ...`), in FastAPI's
+`detail` shape too; the server goes on serving.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+import polar_mitm
+from polar_mitm.rollout.callbacks import CallbackSender
+from polar_mitm.rollout.models import SessionResult, TaskAccepted, TaskRequest, TaskResult
+from polar_mitm.rollout.node import GatewayNode, NodeConfig
+from polar_mitm.rollout.scheduler import RequestRejected, Scheduler, TaskConflict
+
+
+def _message(errors: list[dict[str, Any]]) -> str:
+    parts = []
+    for error in errors:
+        loc = [str(p) for p in error.get("loc", ()) if p != "body"]
+        parts.append(f"{'.'.join(loc) or 'body'}: {error.get('msg')}")
+    return "; ".join(parts)
+
+
+def _invalid(errors: list[dict[str, Any]]) -> JSONResponse:
+    detail = [{"loc": list(e.get("loc", ())), "msg": e.get("msg"), "type": e.get("type")} for e in errors]
+    return JSONResponse(status_code=422, content={"message": _message(detail), "detail": detail})
+
+
+def _not_found(what: str, key: str) -> JSONResponse:
+    return JSONResponse(status_code=404, content={"message": f"no {what} {key!r}", "detail": f"no {what} {key!r}"})
+
+
+def create_app(config: NodeConfig, callbacks: CallbackSender | None = None) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        node = GatewayNode(config)
+        await node.start()
+        app.state.node = node
+        app.state.scheduler = Scheduler(node, callbacks)
+        try:
+            yield
+        finally:
+            await app.state.scheduler.close()
+            await node.stop()
+
+    app = FastAPI(title="polar-mitm rollout server", version=getattr(polar_mitm, "__version__", "0"), lifespan=lifespan, description=__doc__)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, error: RequestValidationError) -> JSONResponse:
+        return _invalid(list(error.errors()))
+
+    def scheduler(request: Request) -> Scheduler:
+        return request.app.state.scheduler
+
+    @app.post("/tasks", status_code=202, response_model=TaskAccepted, responses={422: {"description": "invalid or unrunnable request"}, 409: {"description": "task_id taken by another request"}})
+    async def submit(body: TaskRequest, request: Request) -> Any:
+        try:
+            task = await scheduler(request).submit(body)
+        except RequestRejected as error:
+            return _invalid([{"loc": ("body", *error.loc), "msg": str(error), "type": "value_error"}])
+        except TaskConflict as error:
+            return JSONResponse(status_code=409, content={"message": str(error), "detail": str(error)})
+        return TaskAccepted(task_id=task.task_id, session_ids=list(task.sessions), status_url=f"/tasks/{task.task_id}")
+
+    @app.get("/tasks", response_model=list[TaskResult])
+    async def list_tasks(request: Request) -> Any:
+        return [task.result() for task in scheduler(request).tasks.values()]
+
+    @app.get("/tasks/{task_id}", response_model=TaskResult, responses={404: {}})
+    async def get_task(task_id: str, request: Request) -> Any:
+        if task_id not in scheduler(request).tasks:
+            return _not_found("task", task_id)
+        return scheduler(request).task(task_id).result()
+
+    @app.get("/tasks/{task_id}/sessions", response_model=list[SessionResult], responses={404: {}})
+    async def get_task_sessions(task_id: str, request: Request) -> Any:
+        if task_id not in scheduler(request).tasks:
+            return _not_found("task", task_id)
+        return scheduler(request).task(task_id).result().sessions
+
+    @app.get("/sessions/{session_id}", response_model=SessionResult, responses={404: {}})
+    async def get_session(session_id: str, request: Request) -> Any:
+        if session_id not in scheduler(request).session_tasks:
+            return _not_found("session", session_id)
+        return scheduler(request).session(session_id)
+
+    @app.delete("/tasks/{task_id}", status_code=202, response_model=TaskResult, responses={404: {}})
+    async def cancel_task(task_id: str, request: Request) -> Any:
+        if task_id not in scheduler(request).tasks:
+            return _not_found("task", task_id)
+        return scheduler(request).cancel_task(task_id).result()
+
+    @app.delete("/sessions/{session_id}", status_code=202, response_model=SessionResult, responses={404: {}})
+    async def cancel_session(session_id: str, request: Request) -> Any:
+        if session_id not in scheduler(request).session_tasks:
+            return _not_found("session", session_id)
+        return scheduler(request).cancel_session(session_id)
+
+    @app.get("/health")
+    async def health(request: Request) -> dict[str, Any]:
+        tasks = scheduler(request).tasks.values()
+        sessions = Counter(s.status for task in tasks for s in task.sessions.values())
+        return {"status": "ok", **request.app.state.node.health(), "tasks": len(tasks), "sessions": dict(sessions)}
+
+    return app
