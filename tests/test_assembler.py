@@ -25,6 +25,7 @@ import pytest
 from polar_mitm import store
 from polar_mitm.assembler import assemble
 from polar_mitm.assembler.diagnosis import common_prefix, load_tokenizer
+from polar_mitm.assembler.export import store_trajectories, write_parquet
 from polar_mitm.assembler.rewards import EPSILON
 from tests.gatewayproc import Gateway, proxy_env
 
@@ -231,6 +232,14 @@ def test_rerendered_breaks(gateway: Gateway, session_id: str, tokenizer) -> None
     assert (diagnosis.kind, diagnosis.region) == ("rerendered", "last_sample")
     assert diagnosis.index == len(rows[0]["prompt_token_ids"])  # the very first sampled token, <think>
     assert tokenizer.text(diagnosis.chain_tokens).startswith("<think>")
+    # the Polar-style lenient mode merges it anyway: turn 2 is then trained in a context it was not sampled in
+    lenient = assemble(gateway.db, "prefix_merging", session=thinking, lenient=True)
+    (merged,) = lenient.sequences
+    p1, c1, p2, c2 = rows[0]["prompt_token_ids"], rows[0]["completion_token_ids"], rows[1]["prompt_token_ids"], rows[1]["completion_token_ids"]
+    end_of_reply = p2.index(c1[-1], len(p1))  # the re-rendered reply's <|im_end|>
+    assert merged.input_ids == p1 + c1 + p2[end_of_reply + 1:] + c2
+    assert not merged.faithful and lenient.stats.unfaithful_merges == 1
+    assert p1 + c1 != p2[: len(p1) + len(c1)]
 
     rows, _, second = _single_break(gateway, tool_args)
     diagnosis = second.break_diagnosis
@@ -374,6 +383,19 @@ def test_rewards_groups_parquet_and_table(make_gateway, session_id: str, tokeniz
     failed = rows[crashed]
     assert (failed["trainable"], failed["reward"], failed["advantage"], sum(failed["loss_mask"])) == (False, 0.0, 0.0, 0)
     assert {row["session_id"]: row["advantage"] for row in table_rows} == {s: r["advantage"] for s, r in rows.items()}
+    again = subprocess.run(command, capture_output=True, text=True, timeout=120)  # replaces that builder's rows
+    assert again.returncode == 0, again.stderr
+    assert store.query(gw.db, "SELECT count(*) FROM trajectories")[1] == [[7]]
+
+    # in the process that holds the store (as the rollout server does): read and write through its Store
+    live = store.Store(gw.db)
+    try:
+        merged = assemble(builder="prefix_merging", store=live, rewards_csv=rewards_csv)
+        outcome = store_trajectories(None, write_parquet(merged.sequences, tmp_path / "live.parquet"), store_object=live)
+        assert outcome.written
+        assert live.query("SELECT builder, count(*) FROM trajectories GROUP BY builder ORDER BY builder")[1] == [("per_request", 7), ("prefix_merging", 7)]
+    finally:
+        live.close()
 
     # the Python API gives the same groups; opting in makes the crashed session count (reward 0)
     result = assemble(gw.db, "per_request", rewards_csv=rewards_csv, include_incomplete=True)

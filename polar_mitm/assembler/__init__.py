@@ -55,7 +55,7 @@ class Assembler:
         self.lenient = lenient
         self.include_incomplete = include_incomplete
         self.batch_tokens = batch_tokens
-        self.read = source.reader_for(db_path, store)
+        self.read = source.Reader(db_path, store)
         self.csv_rewards = rewards.read_rewards_csv(rewards_csv) if rewards_csv else None
         self.diagnoser = Diagnoser(lambda ids: source.load_messages(self.read, ids), tokenizer)
         self.stats = AssemblyStats(builder=prefix_merging.LENIENT_NAME if lenient else builder)
@@ -80,8 +80,7 @@ class Assembler:
             for session_id in session_ids:
                 exchanges = by_session.get(session_id, [])
                 for chain in self._build(exchanges):
-                    sequence = chain.to_sequence()
-                    rewards.apply_score(sequence, scores[session_id])
+                    sequence = chain.to_sequence(scores[session_id])
                     self._count(chain, sequence)
                     batch.append(sequence)
                 self.stats.sessions += 1
@@ -101,7 +100,7 @@ class Assembler:
         stats.merged_exchanges += len(chain.exchanges) - 1
         stats.unfaithful_merges += chain.unfaithful_merges
         stats.sampled_tokens += sequence.sampled_tokens
-        stats.trainable_tokens += sum(sequence.loss_mask)
+        stats.trainable_tokens += sequence.sampled_tokens if sequence.trainable else 0
         stats.sequence_tokens += len(sequence.input_ids)
         if chain.retry_of is not None:
             stats.retries += 1

@@ -1,10 +1,13 @@
-"""A trainable sequence under construction: the exchanges it holds and its aligned token lists."""
+"""A trainable sequence under construction: the exchanges it holds and the pieces of its token stream."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from polar_mitm.assembler.records import BreakDiagnosis, Sequence
+from polar_mitm.assembler.rewards import SessionScore
 from polar_mitm.assembler.source import Exchange
 
 
@@ -12,11 +15,11 @@ from polar_mitm.assembler.source import Exchange
 class Chain:
     builder: str
     exchanges: list[Exchange]
-    input_ids: list[int]
-    loss_mask: list[int]
-    logprobs: list[float]
-    # (start, end, exchange) of each sampled region in input_ids
+    # the token stream, as consecutive pieces: context (mask 0) and samples (mask 1) alternate
+    pieces: list[np.ndarray]
+    # (start, end, exchange) of each sampled region in the stream
     spans: list[tuple[int, int, Exchange]]
+    length: int
     break_diagnosis: BreakDiagnosis | None = None
     retry_of: str | None = None
     faithful: bool = True
@@ -29,15 +32,8 @@ class Chain:
     @classmethod
     def start(cls, builder: str, exchange: Exchange, retry_of: str | None = None) -> Chain:
         prompt_len = len(exchange.prompt)
-        return cls(
-            builder=builder,
-            exchanges=[exchange],
-            input_ids=exchange.prompt + exchange.completion,
-            loss_mask=[0] * prompt_len + [1] * len(exchange.completion),
-            logprobs=[0.0] * prompt_len + list(exchange.logprobs),
-            spans=[(prompt_len, prompt_len + len(exchange.completion), exchange)],
-            retry_of=retry_of,
-        )
+        end = prompt_len + len(exchange.completion)
+        return cls(builder, [exchange], [exchange.prompt, exchange.completion], [(prompt_len, end, exchange)], end, retry_of=retry_of)
 
     @property
     def tip(self) -> Exchange:
@@ -53,50 +49,53 @@ class Chain:
         first = self.exchanges[0]
         return f"{first.session_id}:{self.builder}:{first.seq}"
 
-    def append(self, exchange: Exchange, interstitial: list[int]) -> None:
+    def tokens(self) -> np.ndarray:
+        return np.concatenate(self.pieces)
+
+    def append(self, exchange: Exchange, interstitial: np.ndarray) -> None:
         """Add the context tokens between the last sample and this exchange's sample (mask 0), then its sample."""
         self.release_alternates()
-        self.input_ids.extend(interstitial)
-        self.loss_mask.extend([0] * len(interstitial))
-        self.logprobs.extend([0.0] * len(interstitial))
-        start = len(self.input_ids)
-        self.input_ids.extend(exchange.completion)
-        self.loss_mask.extend([1] * len(exchange.completion))
-        self.logprobs.extend(exchange.logprobs)
-        self.spans.append((start, len(self.input_ids), exchange))
+        start = self.length + len(interstitial)
+        self.length = start + len(exchange.completion)
+        self.pieces += [interstitial, exchange.completion]
+        self.spans.append((start, self.length, exchange))
         self.exchanges.append(exchange)
 
     def swap_tip(self, alternate: Exchange) -> None:
         """Go on from another sample of the tip's prompt (the one the harness actually continued)."""
         start = self.tip_start
-        previous = self.tip
-        del self.input_ids[start:], self.loss_mask[start:], self.logprobs[start:]
-        self.spans.pop()
-        self.exchanges.pop()
         self.alternates.remove(alternate)
-        self.alternates.append(previous)
-        self.input_ids.extend(alternate.completion)
-        self.loss_mask.extend([1] * len(alternate.completion))
-        self.logprobs.extend(alternate.logprobs)
-        self.spans.append((start, len(self.input_ids), alternate))
-        self.exchanges.append(alternate)
+        self.alternates.append(self.tip)
+        self.length = start + len(alternate.completion)
+        self.pieces[-1] = alternate.completion
+        self.spans[-1] = (start, self.length, alternate)
+        self.exchanges[-1] = alternate
 
     def release_alternates(self) -> None:
         """Each other sample of the tip's prompt becomes its own sequence, flagged with the tip kept here."""
         self.released.extend(Chain.start(self.builder, alternate, retry_of=self.tip.exchange_id) for alternate in self.alternates)
         self.alternates = []
 
-    def to_sequence(self) -> Sequence:
+    def to_sequence(self, score: SessionScore) -> Sequence:
+        input_ids = self.tokens().astype(np.int32, copy=False)
+        loss_mask = np.zeros(self.length, dtype=np.int8)
+        logprobs = np.zeros(self.length, dtype=np.float64)
+        for start, end, exchange in self.spans:
+            loss_mask[start:end] = score.trainable
+            logprobs[start:end] = exchange.logprobs
         tip, first = self.tip, self.exchanges[0]
-        return Sequence(
+        # built from data that is valid by construction: no validation pass over every token
+        sequence = Sequence.model_construct(
             sequence_id=self.sequence_id,
             builder=self.builder,
             session_id=first.session_id,
+            task_id=score.task_id,
+            group_id=score.group_id,
             exchange_ids=[e.exchange_id for e in self.exchanges],
             exchange_seqs=[e.seq for e in self.exchanges],
-            input_ids=self.input_ids,
-            loss_mask=self.loss_mask,
-            rollout_logprobs=self.logprobs,
+            input_ids=input_ids.tolist(),
+            loss_mask=loss_mask.tolist(),
+            rollout_logprobs=logprobs.tolist(),
             prompt_len=len(first.prompt),
             sampled_tokens=sum(end - start for start, end, _ in self.spans),
             n_exchanges=len(self.exchanges),
@@ -108,4 +107,12 @@ class Chain:
             harness=first.harness,
             model_requested=first.model_requested,
             model_engine=tip.model_engine,
+            session_status=score.status,
+            session_metadata=score.metadata,
+            reward=score.reward,
+            advantage=score.advantage,
+            trainable=score.trainable,
+            no_signal=score.no_signal,
         )
+        sequence._arrays = (input_ids, loss_mask, logprobs)
+        return sequence

@@ -64,6 +64,8 @@ def _assemble(args: argparse.Namespace) -> int:
     width = max(len(k) for k in stats)
     for key, value in stats.items():
         print(f"{key.ljust(width)}  {value}")
+    if stats["breaks"]["unknown"]:
+        print("breaks of kind 'unknown': no tokenizer was found for the engine's model; pass --tokenizer DIR to classify them")
     if parquet.exists():
         print(f"wrote {sink.rows} sequences to {parquet}")
     print(outcome.message)

@@ -122,7 +122,8 @@ def load_tokenizer(spec: Any = None, model_engine: str | None = None) -> TokenTe
     return TokenText(backend, getattr(spec, "name_or_path", "") or type(spec).__name__)
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: Any, b: Any) -> int:
+    """Length of the common prefix of two token sequences (lists or arrays)."""
     n = min(len(a), len(b))
     if n == 0:
         return 0
@@ -130,13 +131,13 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return int(differ[0]) if differ.size else n
 
 
-def generation_tail(prompts: list[list[int]]) -> int:
+def generation_tail(prompts: list[np.ndarray]) -> int:
     """Tokens every prompt of a session ends with (the generation prompt), at most MAX_GENERATION_TAIL."""
     if len(prompts) < 2:
         return 0
     tail = 0
     shortest = min(len(p) for p in prompts)
-    while tail < min(MAX_GENERATION_TAIL, shortest) and len({p[-1 - tail] for p in prompts}) == 1:
+    while tail < min(MAX_GENERATION_TAIL, shortest) and len({int(p[-1 - tail]) for p in prompts}) == 1:
         tail += 1
     return tail
 
@@ -145,7 +146,7 @@ def predecessor(chains: list[Any], exchange: Exchange, tail: int) -> tuple[Any, 
     """The chain `exchange` continues although it does not extend it, with their common prefix; None: a new lineage."""
     best = None
     for chain in chains:
-        shared = common_prefix(chain.input_ids, exchange.prompt)
+        shared = common_prefix(chain.tokens(), exchange.prompt)
         if shared and (best is None or shared >= best[1]):
             best = (chain, shared)
     if best is None:
@@ -167,7 +168,8 @@ class Diagnoser:
     def __init__(self, load_messages: MessageLoader, tokenizer: Any = None):
         self.load_messages = load_messages
         self._spec = tokenizer
-        self._loaded: dict[str | None, TokenText | None] = {}
+        # a tokenizer given by the user is loaded now, so that a wrong path fails before any work
+        self._loaded: dict[str | None, TokenText | None] = {None: load_tokenizer(tokenizer)} if tokenizer is not None else {}
         self.tokenizer: TokenText | None = None
 
     def _tokenizer_for(self, model_engine: str | None) -> TokenText | None:
@@ -177,12 +179,12 @@ class Diagnoser:
         return self._loaded[key]
 
     def diagnose(self, chain: Any, shared: int, exchange: Exchange, tail: int) -> BreakDiagnosis:
-        tokens, prompt, tip = chain.input_ids, exchange.prompt, chain.tip
+        tokens, prompt, tip = chain.tokens().tolist(), exchange.prompt.tolist(), chain.tip
         self.tokenizer = self._tokenizer_for(tip.model_engine)
         d = shared
-        tip_start = len(tokens) - len(tip.completion)  # the tip's first sampled token
-        region, span = self._region(chain, d, tip_start)
-        kind, why = self._classify(chain, exchange, d, tip_start, tail)
+        tip_start = chain.tip_start
+        region = self._region(chain, d, tip_start)
+        kind, why = self._classify(chain, tokens, exchange, prompt, d, tip_start, tail)
         show = self.tokenizer.text if self.tokenizer else (lambda ids: str(ids))
         detail = f"{why}; token {d}: chain {show(tokens[d:d + EXCERPT_TOKENS])!r} vs prompt {show(prompt[d:d + EXCERPT_TOKENS])!r}"
         return BreakDiagnosis(
@@ -197,28 +199,27 @@ class Diagnoser:
         )
 
     @staticmethod
-    def _region(chain: Any, index: int, tip_start: int) -> tuple[str, Any]:
+    def _region(chain: Any, index: int, tip_start: int) -> str:
         if index >= tip_start:
-            return "last_sample", chain.spans[-1]
-        for span in chain.spans[:-1]:
-            if span[0] <= index < span[1]:
-                return "earlier_sample", span
-        return "context", None
+            return "last_sample"
+        if any(start <= index < end for start, end, _ in chain.spans[:-1]):
+            return "earlier_sample"
+        return "context"
 
-    def _classify(self, chain: Any, exchange: Exchange, d: int, tip_start: int, tail: int) -> tuple[str, str]:
+    def _classify(self, chain: Any, tokens: list[int], exchange: Exchange, prompt: list[int], d: int, tip_start: int, tail: int) -> tuple[str, str]:
         tip = chain.tip
         if tip.finish_reason == "length" and d >= tip_start - tail:
             return "truncated", f"the previous sample (seq {tip.seq}) ended on a length limit"
         if self.tokenizer is None:
             return "unknown", "no tokenizer to compare text"
-        chain_bytes = self.tokenizer.bytes_of(chain.input_ids[d:])
-        prompt_bytes = self.tokenizer.bytes_of(exchange.prompt[d:])
+        chain_bytes = self.tokenizer.bytes_of(tokens[d:])
+        prompt_bytes = self.tokenizer.bytes_of(prompt[d:])
         if prompt_bytes.startswith(chain_bytes):
             return "retokenized", "same text, different token ids"
         differ = _first_difference(chain_bytes, prompt_bytes)
         index = d
         consumed = 0
-        for token in chain.input_ids[d:]:
+        for token in tokens[d:]:
             consumed += len(self.tokenizer.token_bytes(token))
             if consumed > differ:
                 break

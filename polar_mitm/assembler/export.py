@@ -23,8 +23,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import duckdb
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -70,11 +72,23 @@ SCHEMA = pa.schema(
     ]
 )
 
-_PLAIN = [name for name in SCHEMA.names if not name.startswith("break_")]
+TOKEN_COLUMNS = ("input_ids", "loss_mask", "rollout_logprobs")
+_PLAIN = [name for name in SCHEMA.names if not name.startswith("break_") and name not in TOKEN_COLUMNS]
+
+
+def _token_column(sequences: list[Sequence], index: int) -> pa.Array:
+    kind = SCHEMA.field(TOKEN_COLUMNS[index]).type
+    if any(s._arrays is None for s in sequences):
+        return pa.array([getattr(s, TOKEN_COLUMNS[index]) for s in sequences], type=kind)
+    arrays = [s._arrays[index] for s in sequences]
+    offsets = np.zeros(len(arrays) + 1, dtype=np.int32)
+    np.cumsum([len(a) for a in arrays], out=offsets[1:])
+    values = np.concatenate(arrays) if arrays else np.zeros(0)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=kind.value_type))
 
 
 def to_table(sequences: list[Sequence]) -> pa.Table:
-    columns: dict[str, list] = {name: [getattr(s, name) for s in sequences] for name in _PLAIN}
+    columns: dict[str, Any] = {name: [getattr(s, name) for s in sequences] for name in _PLAIN}
     breaks = [s.break_diagnosis for s in sequences]
     columns["break_kind"] = [b.kind if b else None for b in breaks]
     columns["break_index"] = [b.index if b else None for b in breaks]
@@ -82,7 +96,9 @@ def to_table(sequences: list[Sequence]) -> pa.Table:
     columns["break_from"] = [b.previous_sequence_id if b else None for b in breaks]
     columns["break_exchange_id"] = [b.previous_exchange_id if b else None for b in breaks]
     columns["break_detail"] = [b.detail if b else None for b in breaks]
-    return pa.table({name: pa.array(columns[name], type=SCHEMA.field(name).type) for name in SCHEMA.names}, schema=SCHEMA)
+    arrays = {name: pa.array(values, type=SCHEMA.field(name).type) for name, values in columns.items()}
+    arrays.update({name: _token_column(sequences, index) for index, name in enumerate(TOKEN_COLUMNS)})
+    return pa.table({name: arrays[name] for name in SCHEMA.names}, schema=SCHEMA)
 
 
 class ParquetSink:

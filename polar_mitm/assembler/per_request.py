@@ -8,17 +8,16 @@ the sampled ids, rollout_logprobs holds their logprobs. A sample of a prompt alr
 from __future__ import annotations
 
 from polar_mitm.assembler.chain import Chain
-from polar_mitm.assembler.source import Exchange
+from polar_mitm.assembler.source import Exchange, prompt_key
 
 NAME = "per_request"
 
 
 def build_session(exchanges: list[Exchange]) -> list[Chain]:
-    first_with_prompt: dict[tuple[int, int], Exchange] = {}
+    first_with_prompt: dict[bytes, Exchange] = {}
     chains = []
     for exchange in exchanges:
-        key = (len(exchange.prompt), hash(tuple(exchange.prompt)))
-        earlier = first_with_prompt.setdefault(key, exchange)
-        retry_of = earlier.exchange_id if earlier is not exchange and earlier.prompt == exchange.prompt else None
+        earlier = first_with_prompt.setdefault(prompt_key(exchange), exchange)
+        retry_of = earlier.exchange_id if earlier is not exchange else None
         chains.append(Chain.start(NAME, exchange, retry_of=retry_of))
     return chains

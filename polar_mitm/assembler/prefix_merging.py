@@ -28,9 +28,11 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
+
 from polar_mitm.assembler.chain import Chain
 from polar_mitm.assembler.diagnosis import Diagnoser, generation_tail, predecessor
-from polar_mitm.assembler.source import Exchange
+from polar_mitm.assembler.source import Exchange, prompt_key
 
 NAME = "prefix_merging"
 LENIENT_NAME = "prefix_merging_lenient"
@@ -44,11 +46,11 @@ def build_session(exchanges: list[Exchange], diagnoser: Diagnoser, lenient: bool
     tail = generation_tail([e.prompt for e in exchanges])
     chains: list[Chain] = []
     standalone: list[Chain] = []
-    seen: dict[tuple[int, int], tuple[Chain, int]] = {}
+    seen: dict[bytes, tuple[Chain, int]] = {}
     for exchange in exchanges:
-        key = (len(exchange.prompt), hash(tuple(exchange.prompt)))
+        key = prompt_key(exchange)
         earlier = seen.get(key)
-        if earlier is not None and earlier[0].exchanges[earlier[1]].prompt == exchange.prompt:
+        if earlier is not None:
             chain, step = earlier
             if step == len(chain.exchanges) - 1:
                 chain.alternates.append(exchange)
@@ -72,15 +74,16 @@ def build_session(exchanges: list[Exchange], diagnoser: Diagnoser, lenient: bool
 
 
 def _join_strict(chains: list[Chain], exchange: Exchange) -> Chain | None:
+    # a strict chain's tokens are always prompt(tip) + sampled(tip)
     prompt = exchange.prompt
     best: tuple[int, Chain, Exchange] | None = None
     for chain in chains:
         start = chain.tip_start
-        if start > len(prompt) or prompt[:start] != chain.input_ids[:start]:
+        if start > len(prompt) or not np.array_equal(prompt[:start], chain.tip.prompt):
             continue
         for sample in (chain.tip, *chain.alternates):
             end = start + len(sample.completion)
-            if end <= len(prompt) and (best is None or end > best[0]) and prompt[start:end] == sample.completion:
+            if end <= len(prompt) and (best is None or end > best[0]) and np.array_equal(prompt[start:end], sample.completion):
                 best = (end, chain, sample)
     if best is None:
         return None
@@ -96,19 +99,20 @@ def _join_lenient(chains: list[Chain], exchange: Exchange, end_of_turn: int | No
     best: Chain | None = None
     for chain in chains:
         tip_prompt = chain.tip.prompt
-        if len(tip_prompt) <= len(prompt) and (best is None or len(tip_prompt) > len(best.tip.prompt)) and prompt[: len(tip_prompt)] == tip_prompt:
+        if len(tip_prompt) <= len(prompt) and (best is None or len(tip_prompt) > len(best.tip.prompt)) and np.array_equal(prompt[: len(tip_prompt)], tip_prompt):
             best = chain
     if best is None:
         return None
     after = len(best.tip.prompt)
     sample = best.tip.completion
-    if prompt[after: after + len(sample)] == sample:
+    if np.array_equal(prompt[after: after + len(sample)], sample):
         interstitial = prompt[after + len(sample):]  # the reply rendered back exactly as sampled
     else:
-        if end_of_turn is None or end_of_turn not in prompt[after:]:
+        ends = np.flatnonzero(prompt[after:] == end_of_turn) if end_of_turn is not None else []
+        if not len(ends):
             return None  # no end of the re-rendered reply to splice after
-        end = prompt.index(end_of_turn, after)
-        interstitial = prompt[end + 1:] if sample and sample[-1] == end_of_turn else prompt[end:]
+        end = after + int(ends[0])
+        interstitial = prompt[end + 1:] if len(sample) and sample[-1] == end_of_turn else prompt[end:]
         best.faithful = False
         best.unfaithful_merges += 1
     best.append(exchange, interstitial)
@@ -117,5 +121,5 @@ def _join_lenient(chains: list[Chain], exchange: Exchange, end_of_turn: int | No
 
 def detect_end_of_turn(exchanges: list[Exchange]) -> int | None:
     """The token samples end with when the model stopped by itself (`<|im_end|>` for ChatML models)."""
-    last = Counter(e.completion[-1] for e in exchanges if e.completion and e.finish_reason in NATURAL_STOPS)
+    last = Counter(int(e.completion[-1]) for e in exchanges if len(e.completion) and e.finish_reason in NATURAL_STOPS)
     return last.most_common(1)[0][0] if last else None

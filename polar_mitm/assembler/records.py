@@ -6,9 +6,9 @@ rows of the Parquet file / `trajectories` table (see docs/trainers.md for the co
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, PrivateAttr
 
 BreakKind = Literal["retokenized", "rerendered", "rewritten", "truncated", "unknown"]
 BREAK_KINDS: tuple[str, ...] = ("retokenized", "rerendered", "rewritten", "truncated", "unknown")
@@ -70,6 +70,8 @@ class Sequence(BaseModel):
     advantage: float | None = None
     trainable: bool = True
     no_signal: bool = Field(False, description="the session's group has no reward variance: its advantages are 0")
+    # (input_ids, loss_mask, rollout_logprobs) as numpy arrays, when the assembler built it: Parquet is written from these
+    _arrays: Any = PrivateAttr(default=None)
 
 
 class GroupStats(BaseModel):

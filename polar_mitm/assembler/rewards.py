@@ -22,7 +22,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from polar_mitm.assembler.records import GroupStats, Sequence
+from polar_mitm.assembler.records import GroupStats
 from polar_mitm.assembler.source import SessionInfo
 
 COMPLETED_STATUSES = frozenset({"completed", "complete", "success", "succeeded", "done", "ok", "finished"})
@@ -120,16 +120,3 @@ def score_sessions(
             scores[session_id].no_signal = no_signal
         groups.append(GroupStats(group_id=group, sessions=len(session_ids_in_group), scored_sessions=len(counted), mean=mean, std=std, no_signal=no_signal))
     return scores, groups
-
-
-def apply_score(sequence: Sequence, score: SessionScore) -> None:
-    sequence.group_id = score.group_id
-    sequence.task_id = score.task_id
-    sequence.reward = score.reward
-    sequence.advantage = score.advantage
-    sequence.trainable = score.trainable
-    sequence.no_signal = score.no_signal
-    sequence.session_status = score.status
-    sequence.session_metadata = score.metadata
-    if not score.trainable:
-        sequence.loss_mask = [0] * len(sequence.loss_mask)
