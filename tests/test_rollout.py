@@ -251,6 +251,15 @@ def check_completed_task(server: RolloutServer, rx: Receiver, accepted: dict[str
         exchanges = server.rows("SELECT status, finish_reason FROM exchanges WHERE session_id = ? ORDER BY seq", [session_id])
         assert [(e["status"], e["finish_reason"]) for e in exchanges] == [("ok", "tool_calls"), ("ok", "stop")]
 
+    # the server's limits (--run-limit 2, --prepare-limit 2): never more than two harnesses at once, and the
+    # third session prepared while the first two ran
+    running = sorted((s["timings"]["running"]["started_at"], s["timings"]["running"]["ended_at"]) for s in sessions.values())
+    assert max(sum(start <= t < end for start, end in running) for t, _ in running) <= 2
+    last = max(sessions.values(), key=lambda s: s["timings"]["running"]["started_at"])
+    first_end = min(end for _, end in running)
+    assert last["timings"]["running"]["started_at"] >= first_end > last["timings"]["preparing"]["ended_at"]
+    assert server.client.get(f"/tasks/{task_id}/sessions").json() == result["sessions"]
+
     # callbacks: one SessionResult per session, then the TaskResult listing them all
     task_result = rx.wait_for_task_result()
     delivered = {r["session_id"]: r for r in rx.results("session_result")}

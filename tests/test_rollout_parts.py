@@ -138,3 +138,30 @@ def test_local_sandbox_timeout_and_teardown_leave_nothing(tmp_path: Path) -> Non
         assert sandbox.gone() and marked_processes(sandbox.id) == []
 
     asyncio.run(main())
+
+
+def test_python_evaluator_reads_the_sandbox(tmp_path: Path) -> None:
+    from polar_mitm.rollout.evaluation import EvaluationContext, evaluate
+    from polar_mitm.rollout.models import Evaluator, Upload
+
+    evaluator_file = tmp_path / "score.py"
+    evaluator_file.write_text(
+        "def score(ctx):\n"
+        "    listing = ctx.exec('ls').stdout.split()\n"
+        "    return {'reward': 0.75 if ctx.read_file('answer.txt') == b'42\\n' else 0.0, 'files': listing, 'session': ctx.session_id}\n"
+    )
+
+    async def main() -> Any:
+        spec = SandboxSpec("parts-sandbox-2", Runtime(), GatewayAccess("http://127.0.0.1:1", tmp_path))
+        sandbox = LocalSandbox(spec)
+        await sandbox.start()
+        try:
+            await sandbox.upload(Upload(target="answer.txt", content="42\n"))
+            request = TaskRequest.model_validate({"instruction": "x", "agent": {"harness": "qwen"}})
+            context = EvaluationContext("parts-sandbox-2", request, 0, 2, sandbox, asyncio.get_running_loop())
+            return await evaluate(Evaluator(python=f"{evaluator_file}:score"), sandbox, context)
+        finally:
+            await sandbox.destroy()
+
+    evaluation = asyncio.run(main())
+    assert evaluation.reward == 0.75 and evaluation.details == {"files": ["answer.txt"], "session": "parts-sandbox-2"}

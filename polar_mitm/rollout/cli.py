@@ -2,7 +2,7 @@
 
     polar-mitm rollout serve --port 8070 --upstream http://127.0.0.1:8011/v1 --db polar.duckdb
     polar-mitm rollout submit examples/hello-task.yaml --wait
-    polar-mitm rollout run examples/hello-task.yaml --upstream http://127.0.0.1:8011/v1 --db polar.duckdb
+    polar-mitm rollout run examples/hello-task.yaml --db polar.duckdb      # the local engine by default
 
 A task file is a TaskRequest in YAML (or JSON). Relative paths in it (upload sources, a 'file.py:function'
 evaluator) are resolved against the file's directory before it is sent.
@@ -42,12 +42,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     run = commands.add_parser("run", help="serve + submit + wait for one task file; prints a summary, leaves the store")
     run.add_argument("task", type=Path, help="TaskRequest as YAML or JSON")
-    _node_arguments(run)
+    _node_arguments(run, upstream_required=False)
     run.set_defaults(func=_run)
 
 
-def _node_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--upstream", required=True, help="engine base URL, e.g. http://127.0.0.1:8011/v1")
+def _node_arguments(parser: argparse.ArgumentParser, upstream_required: bool = True) -> None:
+    if upstream_required:
+        parser.add_argument("--upstream", required=True, help="engine base URL, e.g. http://127.0.0.1:8011/v1")
+    else:
+        parser.add_argument("--upstream", help="engine base URL (default: the local engine, started or reused as by `polar-mitm engine start`)")
     parser.add_argument("--db", type=Path, default=Path("polar.duckdb"), help="DuckDB store (default polar.duckdb)")
     parser.add_argument("--confdir", default=DEFAULT_CONFDIR, help=f"the gateway's confdir: CA and session secret (default {DEFAULT_CONFDIR})")
     parser.add_argument("--gateway-port", type=int, default=0, help="the node's gateway proxy port (default: a free one)")
@@ -218,6 +221,15 @@ def _run(args: argparse.Namespace) -> int:
     except ClientError as error:
         print(f"polar-mitm rollout: {error}", file=sys.stderr)
         return 2
+    if not args.upstream:
+        from polar_mitm.local_engine import LocalEngine
+
+        print("polar-mitm rollout: starting the local engine (first run builds it; later runs reuse it)...", file=sys.stderr, flush=True)
+        try:
+            args.upstream = LocalEngine().start()
+        except Exception as error:  # noqa: BLE001 - any way the engine fails to start ends this command the same
+            print(f"polar-mitm rollout: the local engine did not start ({error}); pass --upstream URL", file=sys.stderr)
+            return 2
     port = free_port()
     server = _uvicorn_server(args, port)
 

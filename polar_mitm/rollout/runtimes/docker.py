@@ -86,6 +86,7 @@ class DockerSandbox(Sandbox):
         self.container: Any = None
         self.workdir = spec.runtime.workdir or DEFAULT_WORKDIR
         self.home = HOME
+        self.path = PATH
 
     # -- lifecycle
     async def start(self) -> None:
@@ -123,6 +124,9 @@ class DockerSandbox(Sandbox):
             )
         except docker.errors.ImageNotFound:
             raise DockerUnavailable(f"image {runtime.image!r} is not in the Docker engine; build it with sandboxes/docker/build-image.sh") from None
+        # the image's own PATH (its toolchains, or harnesses baked in) stays the base of every exec
+        image_env = dict(entry.split("=", 1) for entry in self.container.attrs["Config"].get("Env") or [] if "=" in entry)
+        self.path = image_env.get("PATH", PATH)
         if runtime.network == "gateway":
             self._wait_for_relay()
         self._exec_blocking(["mkdir", "-p", self.workdir, self.home], {}, "/")
@@ -237,7 +241,7 @@ class DockerSandbox(Sandbox):
                 for entry in Path(staging).iterdir():
                     tar.add(str(entry), arcname=entry.name)
         await self._put(self.home, buffer.getvalue())
-        routed = self.proxy_environment({"PATH": PATH, "LANG": "C.UTF-8", **self.spec.runtime.env})
+        routed = self.proxy_environment({"PATH": self.path, "LANG": "C.UTF-8", **self.spec.runtime.env})
         routed.update({name: CONTAINER_CA for name in run_cli.CA_VARIABLES})
         if self.spec.runtime.network == "gateway":
             # same credentials, the container's own loopback relay instead of the gateway's port
