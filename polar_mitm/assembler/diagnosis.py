@@ -235,7 +235,8 @@ class Diagnoser:
         if sampled.roles is None or len(roles) <= at or roles[at] != "assistant":
             return "rewritten", f"the assistant turn of seq {sampled.seq} is not where it was in the history sent back"
         messages = self.load_messages([exchange.exchange_id, sampled.exchange_id])
-        sent = (messages.get(exchange.exchange_id, {}).get("messages") or [None] * (at + 1))[at]
+        history = messages.get(exchange.exchange_id, {}).get("messages") or []
+        sent = history[at] if len(history) > at else None
         reply = messages.get(sampled.exchange_id, {}).get("reply") or {}
         if isinstance(sent, dict) and same_assistant_message(sent, reply):
             return "rerendered", f"the chat template rendered the assistant turn of seq {sampled.seq} differently from what was sampled (the message sent back equals the engine's reply)"
@@ -244,10 +245,8 @@ class Diagnoser:
 
 def _first_difference(a: bytes, b: bytes) -> int:
     n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    differ = np.flatnonzero(np.frombuffer(a, np.uint8, n) != np.frombuffer(b, np.uint8, n))
+    return int(differ[0]) if differ.size else n
 
 
 _THINK = re.compile(r"<think>.*?</think>", re.DOTALL)

@@ -24,7 +24,7 @@ from polar_mitm import store
 
 MATERIAL = "status = 'ok' AND coalesce(action, 'generate') = 'generate' AND NOT coalesce(replay, false) AND prompt_token_ids IS NOT NULL"
 # exchange tokens per batch: bounds what one batch holds in memory and what one SQL-endpoint answer carries
-BATCH_TOKENS = 20_000_000
+BATCH_TOKENS = 8_000_000
 
 
 @dataclass
