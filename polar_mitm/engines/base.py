@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 import aiohttp
+import orjson
 
 from polar_mitm.exchange import Completion, EngineError, ToolCall
 
@@ -26,7 +27,11 @@ class WireJSON(dict):
 
 
 def _decode(text: str) -> Any:
-    value = json.loads(text)
+    try:
+        # orjson: ~2.5x faster on replies that are mostly token-id arrays (the decode was a fifth of the event loop)
+        value = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        value = json.loads(text)  # what orjson refuses and json accepts (NaN, lone surrogates, huge ints)
     return WireJSON(value, text) if isinstance(value, dict) else value
 
 
