@@ -3,6 +3,8 @@
 A thin script: the addon lives in polar_mitm.gateway.addon.
 """
 
+from polar_mitm.gateway import contentview
 from polar_mitm.gateway.addon import PolarAddon
 
+contentview.register()  # mitmweb -s addons/polar.py: the "LLM" view of model calls
 addons = [PolarAddon()]

@@ -147,7 +147,12 @@ class PolarAddon:
         self.sessions_by_connection[flow.client_conn] = credentials
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
-        if flow.response is not None or flow.is_replay:
+        if flow.response is not None:
+            return
+        if flow.is_replay:
+            # mitmproxy's replay (mitmweb's Replay, `replay.client`) re-runs this flow or a copy of it without a
+            # proxy connection, so without credentials: it keeps the session in its metadata, which survives
+            # copies and flow files; its row is flagged replay, which keeps it out of trajectories
             return
         if flow.client_conn in self.sessions_by_connection:
             credentials = self.sessions_by_connection[flow.client_conn]
@@ -181,7 +186,7 @@ class PolarAddon:
 
     async def _exchange(self, flow: http.HTTPFlow, dialect: Any, path: str) -> None:
         assert self.store is not None
-        session_id = flow.metadata.get("polar_session") or flow.metadata.get("polar_replay_of_session") or session.DEFAULT_SESSION
+        session_id = flow.metadata.get("polar_session") or session.DEFAULT_SESSION
         headers = list(flow.request.headers.items(multi=True))
         query = list(flow.request.query.items(multi=True))
         secrets_seen = redact.secret_values(headers, query)

@@ -57,6 +57,9 @@ async def serve(config: GatewayConfig) -> None:
 
 
 def run(config: GatewayConfig) -> None:
-    # mitmproxy's termlog prints Python logging; per-request httpx lines are noise
+    # mitmproxy's termlog prints Python logging at info (as mitmproxy's own main sets it up): the proxy address,
+    # and with --web the UI's URL with its access token; per-request httpx lines are noise
+    logging.getLogger().setLevel(logging.INFO)
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    logging.getLogger("tornado").setLevel(logging.WARNING)
     asyncio.run(serve(config))
