@@ -11,6 +11,7 @@ COMMAND_MODULES = [
     "polar_mitm.local_engine.cli",
     "polar_mitm.gateway.cli",
     "polar_mitm.store_cli",
+    "polar_mitm.diff_cli",
     "polar_mitm.run_cli",
     "polar_mitm.demo",
     "polar_mitm.assembler.cli",
