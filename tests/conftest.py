@@ -61,3 +61,12 @@ def session_id(request: pytest.FixtureRequest) -> str:
     import uuid
 
     return f"{request.node.name[:40]}-{uuid.uuid4().hex[:8]}".replace("[", "-").replace("]", "")
+
+
+@pytest.fixture(scope="session")
+def debug_store(engine_url: str, tmp_path_factory: pytest.TempPathFactory):
+    """A small real run for the debugging tools (tests/debug_run.py): harness-shaped SDK sessions on two tasks,
+    two sessions that break on purpose, rewards recorded, trajectories assembled; the gateway has stopped."""
+    from tests import debug_run
+
+    return debug_run.build(engine_url, tmp_path_factory.mktemp("debug_run"))
