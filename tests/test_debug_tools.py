@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import duckdb
 import httpx
 import openai
 import pytest
@@ -298,6 +299,15 @@ def test_views_on_a_real_run(debug_store) -> None:
         lengths = [f["n"] for f in firsts if f["harness"] == harness]
         assert sizes[harness]["avg_first_prompt_tokens"] == round(sum(lengths) / len(lengths))
         assert (sizes[harness]["sessions"], sizes[harness]["avg_tools"]) == (4, 3)
+    # with no gateway holding it, the file is plain DuckDB: views, their documentation, pandas
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        frame = con.sql("SELECT * FROM token_usage").df()
+        documented = dict(con.sql("SELECT view_name, comment FROM duckdb_views() WHERE NOT internal").fetchall())
+    finally:
+        con.close()
+    assert sorted(frame.session_id) == sorted(debug_store.sessions) and frame.exchanges.sum() == 20
+    assert documented["breaks_by_class"].startswith("Prefix breaks counted by builder, harness and class")
     merged = store.query_dicts(db, "SELECT session_id, extends_previous FROM session_timeline WHERE seq = 2")
     assert {m["session_id"]: m["extends_previous"] for m in merged} == {s: s not in (debug_run.EDITED, debug_run.CUT) for s in debug_store.sessions}
 
