@@ -25,7 +25,7 @@ from polar_mitm import store
 from polar_mitm.assembler import assemble
 from polar_mitm.assembler.diagnosis import load_tokenizer
 from polar_mitm.gateway.contentview import LLMContentview, tool_signature
-from tests import debug_run, debug_steer
+from tests import debug_run
 from tests.gatewayproc import Gateway, free_port, proxy_env
 
 pytestmark = pytest.mark.engine

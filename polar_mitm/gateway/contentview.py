@@ -35,7 +35,8 @@ RULE = "──"
 Reader = Callable[[str, list[Any]], tuple[list[str], list[Any]]]
 
 ROW_SQL = """
-    SELECT exchange_id, session_id, seq, api, status, error, http_status, harness, replay, model_engine,
+    SELECT exchange_id, session_id, seq, api, action, status, error, http_status, harness, replay, model_engine,
+           engine_response ->> '$.count' AS counted,
            prompt_token_ids, completion_token_ids, completion_logprobs, finish_reason, response_body,
            date_diff('millisecond', engine_started_at, engine_ended_at) AS engine_ms,
            date_diff('millisecond', started_at, ended_at) AS total_ms
@@ -162,6 +163,8 @@ class LLMContentview(Contentview):
             facts = [f"finish {reply.finish_reason}"] if reply.finish_reason else []
             if row.get("prompt_token_ids"):
                 facts += [f"{len(sampled):,} sampled tokens", f"prompt {len(row['prompt_token_ids']):,} tokens"]
+            if row.get("action") == "count_tokens" and row.get("counted") is not None:
+                facts.append(f"count_tokens: {int(row['counted']):,} prompt tokens (the engine's)")
             if row.get("engine_ms") is not None:
                 facts.append(f"engine {row['engine_ms']} ms")
             if row.get("total_ms") is not None:
