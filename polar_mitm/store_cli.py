@@ -10,13 +10,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 import textwrap
 from datetime import datetime
 from typing import Any
 
 LIST_SQL = "SELECT view_name, comment FROM duckdb_views() WHERE NOT internal AND schema_name = 'main' ORDER BY view_name"
-LIST_PREVIEW = 6
+ISO_TIME = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?([+-]\d\d:\d\d|Z)?$")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -87,6 +88,8 @@ def format_cell(value: Any, max_width: int = 60) -> str:
         text = str(value).lower()
     elif isinstance(value, datetime):
         text = value.strftime("%Y-%m-%d %H:%M:%S")
+    elif isinstance(value, str) and ISO_TIME.match(value):  # timestamps come as ISO text through the gateway
+        text = value[:19].replace("T", " ")
     elif isinstance(value, (list, tuple)):
         shown = ", ".join(format_cell(v, 12) for v in value[:4])
         text = f"[{shown}{', …' if len(value) > 4 else ''}] ({len(value)})" if len(value) > 4 else f"[{shown}]"
