@@ -9,9 +9,12 @@ Each view carries its documentation as a DuckDB comment, so `polar-mitm sql --db
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import duckdb
+
+log = logging.getLogger("polar_mitm.views")
 
 TRAJECTORIES = "trajectories"  # written by the assembler (polar_mitm.assembler.export)
 MATERIAL = "status = 'ok' AND coalesce(action, 'generate') = 'generate' AND NOT coalesce(replay, false) AND prompt_token_ids IS NOT NULL"
@@ -132,7 +135,12 @@ def create_views(con: duckdb.DuckDBPyConnection) -> None:
         _create_empty_trajectories(con)
     try:
         for name, view in VIEWS.items():
-            con.execute(f"CREATE OR REPLACE VIEW {name} AS {view.sql}")
+            try:
+                con.execute(f"CREATE OR REPLACE VIEW {name} AS {view.sql}")
+            except duckdb.Error as error:
+                # e.g. a trajectories table written by an older assembler: the store must still open
+                log.warning(f"polar-mitm: view {name} not created: {error}")
+                continue
             con.execute(f"COMMENT ON VIEW {name} IS '{view.doc.replace(chr(39), chr(39) * 2)}'")
     finally:
         if missing:
