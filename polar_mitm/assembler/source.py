@@ -124,7 +124,7 @@ def batches(sizes: list[tuple[str, int]], limit: int = BATCH_TOKENS) -> Iterator
 EXCHANGE_SQL = (
     "SELECT exchange_id, session_id, seq, prompt_token_ids, completion_token_ids, completion_logprobs, finish_reason, "
     "json_extract_string(engine_request, '$.messages[*].role') AS roles, retry_count, api, harness, model_requested, model_engine "
-    f"FROM exchanges WHERE {MATERIAL} AND session_id IN (SELECT unnest(?::VARCHAR[])) ORDER BY session_id, seq"
+    f"FROM exchanges WHERE {MATERIAL} AND session_id IN (SELECT unnest(?::VARCHAR[]))"  # sorted here: ORDER BY would sort the token lists too
 )
 
 
@@ -152,6 +152,8 @@ def load_exchanges(read: Reader, session_ids: list[str]) -> dict[str, list[Excha
         out.setdefault(row[1], []).append(
             Exchange(row[0], row[1], row[2], prompt, completion, logprob, row[6], row[7], row[8], row[9], row[10], row[11], row[12])
         )
+    for exchanges in out.values():
+        exchanges.sort(key=lambda e: e.seq)
     return out
 
 
