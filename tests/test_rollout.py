@@ -124,13 +124,13 @@ def server(engine_url: str, harness_installed: None, tmp_path_factory: pytest.Te
             raise TimeoutError(f"rollout server did not come up:\n{rollout.log_tail()}")
         time.sleep(0.2)
     yield rollout
+    rollout.client.close()
     os.killpg(process.pid, signal.SIGTERM)
     try:
         process.wait(timeout=60)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
-    rollout.client.close()
 
 
 class Receiver:
@@ -170,10 +170,13 @@ class Receiver:
             return [body for body in self.counted.values() if body["kind"] == kind]
 
     def wait_for_task_result(self, timeout: float = 60) -> dict[str, Any]:
+        """The TaskResult, once an attempt to deliver it was answered 200."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if results := self.results("task_result"):
-                return results[0]
+            with self.lock:
+                answered = any(a["kind"] == "task_result" and a["status"] == 200 for a in self.attempts)
+            if answered:
+                return self.results("task_result")[0]
             time.sleep(0.2)
         raise AssertionError(f"no TaskResult delivered; attempts: {[(a['kind'], a['status']) for a in self.attempts]}")
 
@@ -302,7 +305,7 @@ def test_invalid_requests_get_a_422_naming_the_field(server: RolloutServer) -> N
     assert server.client.get("/health").json()["status"] == "ok"
 
 
-def test_unknown_harness_is_a_clear_error_and_the_server_keeps_serving(server: RolloutServer) -> None:
+def test_unknown_harness_is_a_clear_error_and_the_server_keeps_serving(server: RolloutServer, tmp_path: Path) -> None:
     response = server.client.post("/tasks", json={"instruction": "x", "agent": {"harness": "cursor"}})
     assert response.status_code == 422
     message = response.json()["message"]
@@ -312,6 +315,11 @@ def test_unknown_harness_is_a_clear_error_and_the_server_keeps_serving(server: R
     health = server.client.get("/health").json()
     assert health["status"] == "ok" and health["gateway_listening"]
     assert "TaskRequest" in server.client.get("/openapi.json").json()["components"]["schemas"]
+    # the same through the client command
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("instruction: fix it\nagent:\n  harness: cursor\n")
+    submitted = subprocess.run([sys.executable, "-m", "polar_mitm.cli", "rollout", "submit", str(bad), "--server", server.url], capture_output=True, text=True, timeout=60)
+    assert submitted.returncode == 2 and "HTTP 422" in submitted.stderr and "agent.harness:" in submitted.stderr, submitted.stderr
 
 
 def test_local_task_three_samples_evaluated_assembled_and_delivered(server: RolloutServer, engine_url: str, receiver) -> None:
@@ -405,6 +413,9 @@ def docker_engine() -> str:
 def test_docker_task_three_samples(server: RolloutServer, engine_url: str, receiver, docker_engine: str) -> None:
     import docker
 
+    missing = coding_task("docker-missing-image", engine_url, "docker", 1, image="polar-mitm/no-such-image:0")
+    response = server.client.post("/tasks", json=missing)
+    assert response.status_code == 422 and response.json()["message"].startswith("runtime.image:"), response.text
     rx = receiver()
     task = coding_task("docker-three", engine_url, "docker", 3, memory="1g", cpus=1.0)
     task["callback_url"] = rx.url

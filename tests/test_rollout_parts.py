@@ -134,8 +134,9 @@ def test_local_sandbox_timeout_and_teardown_leave_nothing(tmp_path: Path) -> Non
         assert marked_processes(sandbox.id)
         with pytest.raises(TimeoutError):
             await sandbox.exec("sleep 300", 0.5)
+        root = sandbox.root
         await sandbox.destroy()
-        assert sandbox.gone() and marked_processes(sandbox.id) == []
+        assert marked_processes(sandbox.id) == [] and root is not None and not root.exists()
 
     asyncio.run(main())
 
@@ -165,3 +166,15 @@ def test_python_evaluator_reads_the_sandbox(tmp_path: Path) -> None:
 
     evaluation = asyncio.run(main())
     assert evaluation.reward == 0.75 and evaluation.details == {"files": ["answer.txt"], "session": "parts-sandbox-2"}
+
+
+def test_a_harness_that_is_not_installed_is_refused_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from polar_mitm.rollout.node import GatewayNode, NodeConfig
+    from polar_mitm.rollout.scheduler import RequestRejected
+
+    monkeypatch.setenv("POLAR_MITM_HOME", str(tmp_path / "empty"))
+    node = GatewayNode(NodeConfig(upstream="http://127.0.0.1:1/v1", db=tmp_path / "store.duckdb"))  # not started: checks only
+    request = TaskRequest.model_validate({"instruction": "x", "agent": {"harness": "gemini"}})
+    with pytest.raises(RequestRejected, match="gemini-cli.*not installed.*install.sh") as refused:
+        asyncio.run(node.check(request))
+    assert refused.value.loc == ("agent", "harness")

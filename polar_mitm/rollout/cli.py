@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from polar_mitm.gateway.config import DEFAULT_CONFDIR
+from polar_mitm.rollout.models import FINAL_STATUSES
 
 DEFAULT_PORT = 8070
 DEFAULT_SERVER = f"http://127.0.0.1:{DEFAULT_PORT}"
-FINAL = ("completed", "failed", "timed_out", "cancelled")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -79,7 +79,7 @@ def _uvicorn_server(args: argparse.Namespace, port: int):
 
     from polar_mitm.rollout.server import create_app
 
-    return uvicorn.Server(uvicorn.Config(create_app(_node_config(args)), host="127.0.0.1", port=port, log_level="info" if args.verbose else "warning"))
+    return uvicorn.Server(uvicorn.Config(create_app(_node_config(args)), host="127.0.0.1", port=port, log_level="info" if args.verbose else "warning", timeout_graceful_shutdown=10))
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -132,7 +132,7 @@ async def submit_task(client, server: str, task: dict[str, Any]) -> dict[str, An
 
 def progress_line(result: dict[str, Any], started: float, width: int = 30) -> str:
     sessions = result["sessions"]
-    done = sum(s["status"] in FINAL for s in sessions)
+    done = sum(s["status"] in FINAL_STATUSES for s in sessions)
     filled = round(width * done / max(len(sessions), 1))
     counts = ", ".join(f"{status} {n}" for status, n in sorted(result["counts"].items()))
     return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{len(sessions)} sessions done  ({counts})  {time.monotonic() - started:.0f}s"

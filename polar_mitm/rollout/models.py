@@ -20,7 +20,6 @@ DEFAULT_IMAGE = "polar-mitm/sandbox:bookworm"
 
 HarnessName = Literal["codex", "claude", "qwen", "gemini"]  # polar_mitm.harnesses.NAMES; a test keeps them equal
 
-Stage = Literal["queued", "preparing", "running", "post_run", "building", "evaluating"]
 FinalStatus = Literal["completed", "failed", "timed_out", "cancelled"]
 SessionStatus = Literal["queued", "preparing", "running", "post_run", "building", "evaluating", "completed", "failed", "timed_out", "cancelled"]
 FINAL_STATUSES: frozenset[str] = frozenset(FinalStatus.__args__)

@@ -176,9 +176,13 @@ class GatewayNode:
             from polar_mitm.rollout.runtimes import docker
 
             try:
+                docker.client()
+            except docker.DockerUnavailable as error:
+                raise RequestRejected(("runtime", "backend"), str(error)) from None
+            try:
                 docker.check_image(runtime.image)
             except docker.DockerUnavailable as error:
-                raise RequestRejected(("runtime", "image" if "image" in str(error) else "backend"), str(error)) from None
+                raise RequestRejected(("runtime", "image"), str(error)) from None
         for index, step in enumerate(runtime.prepare):
             if isinstance(step, UploadStep) and step.upload.source is not None and not Path(step.upload.source).expanduser().exists():
                 raise RequestRejected(("runtime", "prepare", str(index), "upload", "source"), f"{step.upload.source!r} does not exist on the rollout server's machine")

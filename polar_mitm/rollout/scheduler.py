@@ -22,23 +22,20 @@ import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
 from pydantic import BaseModel, Field
 
 from polar_mitm import harnesses
+from polar_mitm.store import now
 from polar_mitm.rollout.callbacks import CallbackSender
 from polar_mitm.rollout.evaluation import EvaluationContext, evaluate
 from polar_mitm.rollout.models import (
-    FINAL_STATUSES, Delivery, SessionResult, StageTiming, TaskRequest, TaskResult, TrajectorySummary, UploadStep,
+    Delivery, SessionResult, StageTiming, TaskRequest, TaskResult, TrajectorySummary, UploadStep,
 )
 from polar_mitm.rollout.runtimes import Sandbox, tail
-
-
-def utcnow() -> datetime:
-    return datetime.now(timezone.utc)
 
 
 class StageLimits(BaseModel):
@@ -120,24 +117,24 @@ class SessionRun:
             session_id=work.session_id, task_id=work.task_id, sample_index=work.sample_index, status="queued",
             harness=request.agent.harness, model=request.agent.model, metadata=request.metadata,
         )
-        self.result.timings["queued"] = StageTiming(started_at=utcnow())
+        self.result.timings["queued"] = StageTiming(started_at=now())
         self.sandbox: Sandbox | None = None
         self.teardown_error: str | None = None
         self.output = bench.output_dir / work.task_id / f"{work.session_id}.harness.log"
 
     async def _enter(self, stage: str) -> None:
-        now = utcnow()
-        self._close_stage(now)
+        stamp = now()
+        self._close_stage(stamp)
         self.result.status = stage  # type: ignore[assignment]
-        self.result.timings[stage] = StageTiming(started_at=now)
+        self.result.timings[stage] = StageTiming(started_at=stamp)
         self.report(self.result.model_copy(deep=True))
         await self.bench.record(self.result)
 
-    def _close_stage(self, now: datetime) -> None:
+    def _close_stage(self, stamp: datetime) -> None:
         current = self.result.timings.get(self.result.status)
         if current is not None and current.ended_at is None:
-            current.ended_at = now
-            current.seconds = round((now - current.started_at).total_seconds(), 3)
+            current.ended_at = stamp
+            current.seconds = round((stamp - current.started_at).total_seconds(), 3)
 
     async def run(self) -> SessionResult:
         status: str | None = None
@@ -181,12 +178,15 @@ class SessionRun:
                         if isinstance(step, UploadStep):
                             await self.sandbox.upload(step.upload)
                             continue
-                        result = await self.sandbox.exec(step.exec, step.timeout_seconds)
+                        try:
+                            result = await self.sandbox.exec(step.exec, step.timeout_seconds)
+                        except TimeoutError:  # the step's own limit (the budget's ends the `async with`)
+                            return "failed", f"preparing: `{step.exec}` exceeded its {step.timeout_seconds:g}s"
                         if result.exit_code != 0:
                             return "failed", f"preparing: `{step.exec}` exited with {result.exit_code}: {tail(result.stdout + result.stderr, 1500)}"
                     argv, env = await self.sandbox.prepare_harness(harness, request.agent, request.instruction)
                 budget -= time.monotonic() - started
-                self._close_stage(utcnow())  # waiting for a run slot shows as the gap before `running`
+                self._close_stage(now())  # waiting for a run slot shows as the gap before `running`
                 await self.stages.run.acquire()  # keep the prepare slot until a run slot is ours
             try:
                 await self._enter("running")
@@ -242,11 +242,11 @@ class SessionRun:
             self.teardown_error = f"tearing down the sandbox: {type(failure).__name__}: {failure}"
 
     async def _finish(self, status: str, error: str | None) -> SessionResult:
-        now = utcnow()
-        self._close_stage(now)
+        stamp = now()
+        self._close_stage(stamp)
         self.result.status = status  # type: ignore[assignment]
         self.result.error = "; ".join(e for e in (error, self.teardown_error) if e) or None
-        self.result.timings[status] = StageTiming(started_at=now, ended_at=now, seconds=0.0)
+        self.result.timings[status] = StageTiming(started_at=stamp, ended_at=stamp, seconds=0.0)
         self.report(self.result.model_copy(deep=True))
         await _settle(self.bench.record(self.result))
         return self.result
@@ -331,7 +331,7 @@ class Scheduler:
         if request.task_id is not None and request.task_id in self.tasks:  # the same task, submitted twice at once
             return await self.submit(request)
         task_id = request.task_id or f"task-{uuid.uuid4().hex[:12]}"
-        task = Task(task_id=task_id, request=request, created_at=utcnow())
+        task = Task(task_id=task_id, request=request, created_at=now())
         self.tasks[task_id] = task
         suffix = uuid.uuid4().hex[:6]  # session ids stay unique in a store reused across server runs
         for index in range(request.num_samples):
@@ -371,7 +371,7 @@ class Scheduler:
             task.trajectories, task.trajectory_stats = await self.node.export_task(task.task_id, list(task.sessions), builder.name, builder.options)
         except Exception as failure:  # noqa: BLE001 - the sessions' results stand; the export error is reported
             task.trajectory_stats = {"error": f"{type(failure).__name__}: {failure}"}
-        task.finished_at = utcnow()
+        task.finished_at = now()
         if task.request.callback_url:
             delivery = Delivery(delivery_id=f"{task.task_id}:task_result", kind="task_result", url=task.request.callback_url)
             payload = task.result().model_dump(mode="json")
@@ -418,4 +418,4 @@ class Scheduler:
         await self.callbacks.close()
 
 
-__all__ = ["FINAL_STATUSES", "Node", "RequestRejected", "Scheduler", "SessionRun", "SessionWork", "StageLimits", "Stages", "Task", "TaskConflict"]
+__all__ = ["Node", "RequestRejected", "Scheduler", "SessionRun", "SessionWork", "StageLimits", "Stages", "Task", "TaskConflict"]

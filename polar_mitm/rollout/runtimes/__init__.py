@@ -88,10 +88,6 @@ class Sandbox(abc.ABC):
     async def destroy(self) -> None:
         """Kill everything still running in the sandbox and remove it. Idempotent."""
 
-    @abc.abstractmethod
-    def gone(self) -> bool:
-        """True once nothing of the sandbox is left (its directory / container)."""
-
 
 def write_home_files(home: Path, files: Mapping[str, str]) -> None:
     for name, text in files.items():

@@ -90,7 +90,8 @@ class DockerSandbox(Sandbox):
 
     # -- lifecycle
     async def start(self) -> None:
-        await asyncio.to_thread(self._start)
+        # a cancel must not leave a container made after destroy() looked: finish creating, then give up
+        await _settled(asyncio.to_thread(self._start))
 
     def _start(self) -> None:
         from docker.types import Mount
@@ -154,17 +155,6 @@ class DockerSandbox(Sandbox):
             self.container.remove(force=True)
         except docker.errors.NotFound:
             pass
-
-    def gone(self) -> bool:
-        import docker
-
-        if self.container is None:
-            return True
-        try:
-            client().containers.get(self.container.id)
-        except docker.errors.NotFound:
-            return True
-        return False
 
     # -- files
     def _inside(self, path: str) -> str:

@@ -90,9 +90,6 @@ class LocalSandbox(Sandbox):
         if self.root is not None:
             await asyncio.to_thread(shutil.rmtree, self.root, True)
 
-    def gone(self) -> bool:
-        return (self.root is None or not self.root.exists()) and not marked_processes(self.id)
-
     # -- processes
     async def _spawn(self, argv: list[str], env: dict[str, str], stdout) -> asyncio.subprocess.Process:
         # its own process group, so a timeout or cancel kills the whole tree it started
