@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Set up polar-mitm on a fresh machine: the project venv (.venv, Python >= 3.12) and the local engine.
-#   scripts/setup.sh            project venv + local engine (vLLM CPU, Python 3.11 venv of its own)
-#   scripts/setup.sh --tests    the same, plus what the test suite drives (Node 22 + pinned harnesses)
+# Set up polar-mitm on a fresh machine (idempotent; later runs take seconds):
+#   - the project venv .venv with a Python >= 3.12 (scripts/find-python.sh says where it looked, or why not),
+#   - the local engine: vLLM for CPU in a Python 3.11 venv of its own, plus the tiny test model (cached),
+#   - Node 22 and the pinned harnesses (Codex CLI, Claude Code, Qwen Code, Gemini CLI) from the npm registry.
+# The Docker sandbox tests start their own dockerd (sandboxes/docker/dockerd.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=$(scripts/find-python.sh)
@@ -12,7 +14,5 @@ fi
 .venv/bin/python -m pip install -q -U pip
 .venv/bin/python -m pip install -q -e '.[test]'
 .venv/bin/polar-mitm engine build
-if [ "${1:-}" = "--tests" ] && [ -x sandboxes/harnesses/install.sh ]; then
-  sandboxes/harnesses/install.sh
-fi
+sandboxes/harnesses/install.sh
 echo "setup: done"

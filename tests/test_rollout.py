@@ -2,7 +2,7 @@
 and docker sandboxes, the real engine behind the server's own gateway node, a real evaluator, and a real
 HTTP callback receiver.
 
-The random-weight engine is steered by tests/rollout_steer.py (the gateway's engine hook): turn 1 of every
+The random-weight engine is steered by examples/steer_tiny_model.py (the gateway's engine hook): turn 1 of every
 agent loop is a shell tool call running the instruction's STEER-COMMAND, turn 2 a final text. The sandbox's
 evaluator is tests/rollout_check.py, uploaded by a prepare step.
 """
@@ -29,13 +29,12 @@ import pytest
 
 from polar_mitm import harnesses, store
 from polar_mitm.rollout.runtimes.local import marked_processes
-from tests import rollout_steer
 from tests.gatewayproc import free_port
 
 pytestmark = [pytest.mark.harness, pytest.mark.engine]
 
 REPO = Path(__file__).resolve().parent.parent
-HOOK = f"{Path(rollout_steer.__file__).resolve()}:steer"
+HOOK = f"{Path(__file__).resolve().parent.parent / 'examples' / 'steer_tiny_model.py'}:steer"
 CHECK = Path(__file__).resolve().parent / "rollout_check.py"
 TASK_WAIT = 420
 WRITE_ANSWER = 'echo "$POLAR_MITM_SESSION" > answer.txt'

@@ -1,4 +1,6 @@
-"""Engine hook for the rollout tests (`--engine-hook tests/rollout_steer.py:steer`).
+"""Engine hook that makes the tiny random-weight test model act like a policy (`--engine-hook examples/steer_tiny_model.py:steer`).
+
+Used by the README's main job and the rollout tests; a real policy needs no hook.
 
 The random test model cannot solve a task, so this steers it, with vLLM structured outputs, the way a good
 policy would act: the first turn of an agent loop is one call of the harness's shell tool running the command
