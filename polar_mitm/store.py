@@ -165,6 +165,12 @@ class Store:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.con = duckdb.connect(str(self.path))
+        # Exchange rows are big (token-id lists, 100+ KB of JSON) and every checkpoint rewrites the table's partly
+        # filled row group. DuckDB's defaults checkpoint at every commit over 100 KB (skipping the WAL) and every
+        # 16 MB of WAL, so the writer's cost per row grew with the table; logging every commit and checkpointing
+        # every 256 MB roughly halves it (bench/run.py). The price: a longer WAL to replay after a crash.
+        self.con.execute(f"SET auto_checkpoint_skip_wal_threshold = {2**62}")
+        self.con.execute("SET checkpoint_threshold = '256MB'")
         ensure_schema(self.con)
         self._seq: dict[str, int] = dict(
             self.con.execute("SELECT session_id, max(seq) FROM exchanges GROUP BY session_id").fetchall()
