@@ -386,6 +386,7 @@ def test_rewards_groups_parquet_and_table(make_gateway, session_id: str, tokeniz
     again = subprocess.run(command, capture_output=True, text=True, timeout=120)  # replaces that builder's rows
     assert again.returncode == 0, again.stderr
     assert store.query(gw.db, "SELECT count(*) FROM trajectories")[1] == [[7]]
+    assert store.query(gw.db, "SELECT count(*) FROM breaks")[1] == [[0]]  # the store's views read the table
 
     # in the process that holds the store (as the rollout server does): read and write through its Store
     live = store.Store(gw.db)

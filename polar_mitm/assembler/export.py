@@ -30,6 +30,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from polar_mitm import views
 from polar_mitm.assembler.records import Sequence
 from polar_mitm.store import Store
 
@@ -164,6 +165,7 @@ def store_trajectories(db_path: str | os.PathLike[str] | None, parquet: Path, st
         for sql in _statements(parquet):
             con.execute(sql)
         con.execute("COMMIT")
+        views.create_views(con)  # the views over trajectories (breaks, breaks_by_class) bind to the new table
     finally:
         con.close()
     return StoreWrite(True, f"loaded into table {TABLE} of {db_path}")
