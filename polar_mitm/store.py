@@ -350,7 +350,7 @@ class Store:
 
 
 def _insert_exchanges(con: duckdb.DuckDBPyConnection, rows: list[dict[str, Any]]) -> None:
-    """Insert exchange rows and count them into their sessions: two statements, however many rows."""
+    """Insert exchange rows and count them into their sessions: three statements, however many rows."""
     if not rows:
         return
     columns = {name: [row.get(name) for row in rows] for name in EXCHANGE_COLUMNS}
