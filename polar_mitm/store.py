@@ -209,20 +209,6 @@ class Store:
         self._queue.put(_Pending(row=row, done=done))
         await future
 
-    def commit_exchange_sync(self, row: dict[str, Any]) -> None:
-        event = threading.Event()
-        errors: list[BaseException] = []
-
-        def done(error: BaseException | None) -> None:
-            if error is not None:
-                errors.append(error)
-            event.set()
-
-        self._queue.put(_Pending(row=row, done=done))
-        event.wait()
-        if errors:
-            raise errors[0]
-
     def execute_write(self, sql: str, params: list[Any] | None = None) -> None:
         """Run one write statement through the writer thread (serialised with exchange commits)."""
         event = threading.Event()
