@@ -598,12 +598,13 @@ def engine_reachable() -> bool:
         return False
 
 
-def start_services(tmp: Path, stub_delay_ms: float, with_litellm: bool, baseline: Path | None = None) -> dict[str, Service]:
+def start_services(services: dict[str, Service], tmp: Path, stub_delay_ms: float, with_litellm: bool, baseline: Path | None = None) -> None:
+    """Start every service into `services` as it goes, so the caller stops them all even if one fails to come up."""
     python = sys.executable
     confdir = tmp / "confdir"
     stub_port, gateway_port, mitm_port, litellm_port = (free_port() for _ in range(4))
     stub_base = f"http://127.0.0.1:{stub_port}/v1"
-    services = {
+    services.update({
         "stub": Service("stub", stub_port, [python, str(BENCH / "stub_upstream.py"), "--port", str(stub_port), "--delay-ms", str(stub_delay_ms)], tmp / "stub.log"),
         "gateway": Service(
             "gateway", gateway_port,
@@ -611,7 +612,7 @@ def start_services(tmp: Path, stub_delay_ms: float, with_litellm: bool, baseline
              "--confdir", str(confdir), "--engine-model", STUB_MODEL, "--require-auth"],
             tmp / "gateway.log",
         ),
-    }
+    })
     mitmdump = Path(python).parent / "mitmdump"
     services["mitmproxy"] = Service(
         "mitmproxy", mitm_port,
@@ -640,7 +641,6 @@ def start_services(tmp: Path, stub_delay_ms: float, with_litellm: bool, baseline
     services["mitmproxy"].wait(60)
     if "litellm" in services:
         services["litellm"].wait(180, ready=lambda: _http_ok(litellm_port, "/health/liveliness"))
-    return services
 
 
 def _stub_requests(port: int) -> int:
@@ -876,7 +876,7 @@ def main() -> int:
     services: dict[str, Service] = {}
     try:
         print(f"starting stub, gateway, mitmdump{', LiteLLM' if 'litellm' in names else ''} (logs in {tmp})", flush=True)
-        services = start_services(tmp, args.delay_ms, "litellm" in names, args.baseline)
+        start_services(services, tmp, args.delay_ms, "litellm" in names, args.baseline)
         if not args.no_engine and engine_reachable():
             port = free_port()
             services["engine-gateway"] = Service(
