@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from polar_mitm import harnesses, run_cli
+from polar_mitm.assembler import assemble
 from polar_mitm.store import JSON_COLUMNS
 from tests import harness_steering as steering
 
@@ -104,7 +105,20 @@ def check_run(gateway, name: str, session_id: str, tmp_path: Path, result: subpr
     assert any(m["role"] == "tool" for m in final_turn["engine_request"]["messages"])
     first, second = tool_turn["prompt_token_ids"], final_turn["prompt_token_ids"]
     assert second[: len(first)] == first, "per-turn prompt noise: turn 2 does not extend turn 1's prompt"
+    check_assembly(gateway, session_id, rows)
     return rows
+
+
+def check_assembly(gateway, session_id: str, rows: list[dict]) -> None:
+    """The harness's real session assembles with every sampled token in exactly one sequence, under its mask."""
+    by_id = {row["exchange_id"]: row for row in rows}
+    sequences = assemble(gateway.db, builder="prefix_merging", session=session_id).sequences
+    assert sorted(e for s in sequences for e in s.exchange_ids) == sorted(by_id)
+    for sequence in sequences:
+        sampled = [token for token, mask in zip(sequence.input_ids, sequence.loss_mask) if mask]
+        assert sampled == [token for e in sequence.exchange_ids for token in by_id[e]["completion_token_ids"]]
+        assert [lp for lp, mask in zip(sequence.rollout_logprobs, sequence.loss_mask) if mask] == [lp for e in sequence.exchange_ids for lp in by_id[e]["completion_logprobs"]]
+        assert sequence.input_ids[: sequence.prompt_len] == by_id[sequence.exchange_ids[0]]["prompt_token_ids"]
 
 
 @pytest.fixture
