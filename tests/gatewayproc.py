@@ -83,16 +83,13 @@ _BASE_URL_VARS = ("OPENAI_BASE_URL", "ANTHROPIC_BASE_URL", "GOOGLE_GEMINI_BASE_U
 
 
 @contextmanager
-def proxy_env(gateway: Gateway, session_id: str) -> Iterator[None]:
-    """What a user sets for a harness: HTTPS_PROXY and the mitmproxy CA, no base-URL change."""
-    saved = {k: os.environ.get(k) for k in (*_BASE_URL_VARS, "HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE")}
+def environ(set_: dict[str, str], unset: tuple[str, ...] = ()) -> Iterator[None]:
+    """Change os.environ for a block, then put back exactly what was there."""
+    saved = {key: os.environ.get(key) for key in (*set_, *unset)}
     try:
-        for key in _BASE_URL_VARS:
+        for key in unset:
             os.environ.pop(key, None)
-        url = gateway.proxy_url(session_id)
-        os.environ.update(HTTPS_PROXY=url, https_proxy=url, SSL_CERT_FILE=str(gateway.ca_cert), REQUESTS_CA_BUNDLE=str(gateway.ca_cert))
-        os.environ.pop("HTTP_PROXY", None)
-        os.environ.pop("http_proxy", None)
+        os.environ.update(set_)
         yield
     finally:
         for key, value in saved.items():
@@ -100,3 +97,10 @@ def proxy_env(gateway: Gateway, session_id: str) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def proxy_env(gateway: Gateway, session_id: str):
+    """What a user sets for a harness: HTTPS_PROXY and the mitmproxy CA, no base-URL change."""
+    url = gateway.proxy_url(session_id)
+    ca = str(gateway.ca_cert)
+    return environ({"HTTPS_PROXY": url, "https_proxy": url, "SSL_CERT_FILE": ca, "REQUESTS_CA_BUNDLE": ca}, unset=(*_BASE_URL_VARS, "HTTP_PROXY", "http_proxy"))

@@ -6,7 +6,6 @@ these tests run them and check the displayed outputs for what this run is known 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import nbformat
@@ -14,6 +13,7 @@ import pytest
 from nbclient import NotebookClient
 
 from tests import debug_run
+from tests.gatewayproc import environ
 
 pytestmark = pytest.mark.engine
 
@@ -23,16 +23,8 @@ NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 def execute(name: str, env: dict[str, str]) -> list[dict]:
     """Run the notebook in a fresh kernel (which inherits `env`); returns the outputs of its code cells, in order."""
     notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    try:
+    with environ(env):
         NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
     return [output for cell in notebook.cells if cell.cell_type == "code" for output in cell.outputs]
 
 
