@@ -6,6 +6,7 @@
     render_body(parsed, completion) -> dict        the provider's non-streaming JSON
     render_stream(parsed, completion) -> bytes     the provider's SSE event stream
     error_body(error) -> dict                      the provider's error shape
+    render_count_tokens(parsed, n) -> dict         where the API has a token-count endpoint
     STREAM_CONTENT_TYPE
 """
 
@@ -13,14 +14,9 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from polar_mitm.dialects import openai_chat
+from polar_mitm.dialects import anthropic_messages, gemini, openai_chat, openai_responses
 
-DIALECTS: list[ModuleType] = [openai_chat]
-
-
-def register(module: ModuleType) -> None:
-    if module not in DIALECTS:
-        DIALECTS.append(module)
+DIALECTS: list[ModuleType] = [openai_chat, openai_responses, anthropic_messages, gemini]
 
 
 def dialect_for(method: str, path: str) -> ModuleType | None:
@@ -29,17 +25,3 @@ def dialect_for(method: str, path: str) -> ModuleType | None:
         if module.recognizes(method, path):
             return module
     return None
-
-
-def _load_optional() -> None:
-    import importlib
-
-    for name in ("openai_responses", "anthropic_messages", "gemini"):
-        try:
-            register(importlib.import_module(f"polar_mitm.dialects.{name}"))
-        except ModuleNotFoundError as error:
-            if error.name != f"polar_mitm.dialects.{name}":
-                raise
-
-
-_load_optional()
