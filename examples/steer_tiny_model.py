@@ -11,15 +11,13 @@ CLI's model router asks for.
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
+from polar_mitm.local_engine.steering import ROUTER_JSON, force, has_tool_result, shell_call, shell_tool, wants_json
+
 STEER_LINE = re.compile(r"^STEER-COMMAND: (.+)$", re.MULTILINE)
 FINAL_TEXT = "Done."
-# the shell tool of each harness and the argument carrying the command
-SHELL_TOOLS = {"run_shell_command": "command", "exec_command": "cmd", "shell": "command", "Bash": "command"}
-ROUTER_JSON = '{"complexity_reasoning": "Simple, explicit single-step task.", "complexity_score": 10}'
 
 
 def _text(content: Any) -> str:
@@ -31,19 +29,12 @@ def _text(content: Any) -> str:
 
 
 def steer(request: dict[str, Any], context: dict[str, Any]) -> dict[str, Any]:
-    messages = request.get("messages") or []
-    tools = {tool.get("function", {}).get("name") for tool in request.get("tools") or []}
-    shell = next((name for name in SHELL_TOOLS if name in tools), None)
-    command = next((m.group(1).strip() for msg in messages if msg.get("role") == "user" for m in [STEER_LINE.search(_text(msg.get("content")))] if m), None)
-    after_tool = any(message.get("role") == "tool" for message in messages)
-    request = dict(request)
-    if shell and command and not after_tool:
-        call = json.dumps({"name": shell, "arguments": {SHELL_TOOLS[shell]: command}})
-        forced = f"<tool_call>\n{call}\n</tool_call>"
-        request["tool_choice"] = "auto"
-    elif not shell and (request.get("response_format") or {}).get("type") in ("json_object", "json_schema"):
+    shell = shell_tool(request)
+    command = next((m.group(1).strip() for msg in request.get("messages") or [] if msg.get("role") == "user" for m in [STEER_LINE.search(_text(msg.get("content")))] if m), None)
+    if shell and command and not has_tool_result(request):
+        forced = shell_call(shell, command)
+    elif not shell and wants_json(request):
         forced = ROUTER_JSON
-        request.pop("response_format")  # vLLM takes one constraint; the regex is the stricter
     else:
         forced = FINAL_TEXT
-    return {**request, "structured_outputs": {"regex": re.escape(forced)}, "temperature": 0, "max_tokens": 200}
+    return force(dict(request), forced, max_tokens=200)

@@ -12,26 +12,15 @@ those turns merge; the greeting is left unbiased.
 
 from __future__ import annotations
 
-import json
-import re
 from functools import cache
 from typing import Any
 
 from polar_mitm.assembler.diagnosis import load_tokenizer
+from polar_mitm.local_engine.steering import force, has_tool_result, shell_call, shell_tool
 
-SHELL_TOOLS = {"exec_command": "cmd", "Bash": "command", "run_shell_command": "command"}
 SHELL_COMMAND = "ls"
 AFTER_TOOL = "The repository holds README.md."
 GREETING = "Hello from the engine, how can I help you today?"
-
-
-def literal(text: str) -> str:
-    """A regex matching exactly `text` (the engine's regex dialect escapes like this, not like Python's re.escape)."""
-    return re.sub(r"([.^$*+?{}\[\]\\|()])", r"\\\1", text).replace("\n", "\\n")
-
-
-def shell_call(tool: str) -> str:
-    return "<tool_call>\n" + json.dumps({"name": tool, "arguments": {SHELL_TOOLS[tool]: SHELL_COMMAND}}) + "\n</tool_call>"
 
 
 @cache
@@ -46,19 +35,15 @@ def canonical_bias(model: str, text: str) -> dict[str, int]:
 
 
 def steer(request: dict[str, Any], context: dict[str, Any]) -> dict[str, Any]:
-    names = [(tool.get("function") or {}).get("name") for tool in request.get("tools") or []]
-    shell = next((name for name in names if name in SHELL_TOOLS), None)
-    answered = any(message.get("role") == "tool" for message in request.get("messages") or [])
+    shell = shell_tool(request)
+    answered = has_tool_result(request)
     if shell and not answered:
-        forced = shell_call(shell)
-        request["tool_choice"] = "auto"
+        forced = shell_call(shell, SHELL_COMMAND)
     elif answered:
         forced = AFTER_TOOL
     else:
         forced = GREETING
-    request["structured_outputs"] = {"regex": literal(forced)}
     if shell or answered:
         request["logit_bias"] = canonical_bias(request["model"], forced)
-    request["temperature"] = 0
-    request["max_tokens"] = min(request.get("max_tokens") or 128, 128)
-    return request
+    # the client's max_tokens is kept, so a small one still cuts the sample off
+    return force(request, forced, max_tokens=min(request.get("max_tokens") or 128, 128))
