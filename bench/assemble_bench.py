@@ -94,9 +94,10 @@ def build_store(path: Path, sessions: int, turns: int, seed: int = 0) -> None:
                 "completion_logprobs": list_array([-rng.random(len(s)) for s in samples], pa.float64()),
             }
         )
-        con.register("chunk", chunk)
-        con.execute("INSERT INTO exchanges BY NAME SELECT * FROM chunk")
-        con.unregister("chunk")
+        store.add_segment(con, path, chunk)
+    con.close()
+    store.Store(path).close()  # the exchanges view over the segments
+    con = duckdb.connect(str(path))
     con.execute(
         "INSERT INTO sessions (session_id, n_exchanges, task_id, status, reward) "
         "SELECT session_id, count(*), 'task-' || (hash(session_id) % 500), 'completed', (hash(session_id) % 7) / 6.0 FROM exchanges GROUP BY session_id"

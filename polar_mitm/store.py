@@ -3,16 +3,32 @@
 DuckDB allows one writing process per file. The gateway owns the file while it runs: a single writer
 thread does group commits (the event loop never touches DuckDB), and read-only SQL from other processes
 is answered by the gateway itself over a loopback control endpoint named in `<db>.control.json`.
+
+Layout. `exchanges` is a view over two kinds of storage, with the contract's column types either way:
+
+- journal tables (`exchange_journal_NNNNNN`): where each exchange is committed before its reply. Token ids and
+  logprobs are kept there as JSON array text, because DuckDB writes a list column's whole uncheckpointed data
+  into the WAL again on every commit (measured on 1.3 to 2.0: the Nth single-row commit of a 14k-id array
+  logs N x 56 KB), which made each commit slower than the last until a checkpoint; text is logged once.
+- segments (`<db>.segments/NNNNNN.parquet`, listed in `exchange_segments`): immutable Parquet files with
+  INTEGER[] / DOUBLE[] columns. When a journal reaches `segment_rows` rows the writer starts a new one, and a
+  compactor thread copies the full journal into a segment (fsynced, then renamed), after which the writer drops
+  the journal and re-points the view in one transaction. A crash at any point leaves either the journal or the
+  segment registered, never both and never neither; leftover journals are compacted when the store reopens.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import math
 import os
 import queue
+import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -20,12 +36,15 @@ from pathlib import Path
 from typing import Any
 
 import duckdb
+import orjson
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
+log = logging.getLogger("polar_mitm.store")
+
+SCHEMA_VERSION = 2
 
 EXCHANGE_COLUMNS: dict[str, str] = {
-    "exchange_id": "VARCHAR PRIMARY KEY",
+    "exchange_id": "VARCHAR NOT NULL",
     "session_id": "VARCHAR NOT NULL",
     "seq": "INTEGER NOT NULL",
     "api": "VARCHAR",
@@ -79,10 +98,43 @@ SESSION_COLUMNS: dict[str, str] = {
     "error": "VARCHAR",
 }
 
-JSON_COLUMNS = {name for name, kind in EXCHANGE_COLUMNS.items() if kind == "JSON"}
+JOURNAL_PREFIX = "exchange_journal_"
+SEGMENTS_TABLE = "exchange_segments"
+EXCHANGES_DOC = (
+    "One row per model exchange, in commit order within a session (seq): the request as received (API keys redacted), "
+    "the engine request and reply as they crossed the wire, prompt and sampled token ids, sampled logprobs, finish "
+    "reason, status and timings. Recent rows come from the journal, older ones from Parquet segments."
+)
 
-# exchange rows reach DuckDB as one Arrow table per group commit: one statement for the batch instead of one per
-# row, and token arrays converted in C rather than element by element as statement parameters
+
+def _base(kind: str) -> str:
+    return kind.split()[0]
+
+
+JSON_COLUMNS = {name for name, kind in EXCHANGE_COLUMNS.items() if _base(kind) == "JSON"}
+
+# A journal row is five columns: the ones live SQL filters on, and the rest as one JSON object. DuckDB charges
+# ~20 us per column for every INSERT however small, which the reply waits for; the record is parsed back when
+# read (json_transform, ~1 GB/s) and once more when the journal becomes a segment.
+JOURNAL_COLUMNS = {"exchange_id": "VARCHAR", "session_id": "VARCHAR", "seq": "INTEGER", "status": "VARCHAR", "record": "BLOB"}
+RECORD_FIELDS = [name for name in EXCHANGE_COLUMNS if name not in JOURNAL_COLUMNS]
+
+
+def _record_type(kind: str) -> Any:
+    """How a field is spelled in the record, as a json_transform structure. JSON columns travel as strings (their
+    text is kept exactly), DOUBLE[] as text DuckDB casts (JSON has no inf or nan)."""
+    base = _base(kind)
+    if base in ("JSON", "DOUBLE[]"):
+        return "VARCHAR"
+    return [base[:-2]] if base.endswith("[]") else base
+
+
+# where in engine_response the prompt ids are, when they are left out of the record (see journal_record)
+PROMPT_IDS_AT = "prompt_token_ids_at"
+RECORD_STRUCTURE = json.dumps({**{name: _record_type(EXCHANGE_COLUMNS[name]) for name in RECORD_FIELDS}, PROMPT_IDS_AT: "VARCHAR"}, separators=(",", ":"))
+DOUBLE_LISTS = {name for name, kind in EXCHANGE_COLUMNS.items() if _base(kind) == "DOUBLE[]"}
+
+
 _ARROW_TYPES = {
     "VARCHAR": pa.string(),
     "JSON": pa.string(),
@@ -91,23 +143,19 @@ _ARROW_TYPES = {
     "BOOLEAN": pa.bool_(),
     "DOUBLE": pa.float64(),
     "TIMESTAMPTZ": pa.timestamp("us", tz="UTC"),
+    "BLOB": pa.binary(),
 }
+# exchange rows reach DuckDB as one Arrow table per group commit: one statement for the batch instead of one per row
+JOURNAL_ARROW_SCHEMA = pa.schema([(name, _ARROW_TYPES[kind]) for name, kind in JOURNAL_COLUMNS.items()])
 
+SESSION_ARROW_SCHEMA = pa.schema([(name, _ARROW_TYPES[_base(SESSION_COLUMNS[name])]) for name in ("session_id", "created_at", "last_seen_at", "n_exchanges", "harness")])
 
-def _arrow_type(kind: str) -> pa.DataType:
-    """The Arrow type carrying a column of DuckDB type `kind` (e.g. "INTEGER[] NOT NULL")."""
-    base = kind.split()[0]
-    return pa.list_(_ARROW_TYPES[base[:-2]]) if base.endswith("[]") else _ARROW_TYPES[base]
-
-
-EXCHANGE_ARROW_SCHEMA = pa.schema([(name, _arrow_type(kind)) for name, kind in EXCHANGE_COLUMNS.items()])
-SESSION_ARROW_SCHEMA = pa.schema([(name, _arrow_type(SESSION_COLUMNS[name])) for name in ("session_id", "created_at", "last_seen_at", "n_exchanges", "harness")])
-_INSERT_EXCHANGES = f"INSERT INTO exchanges ({', '.join(EXCHANGE_COLUMNS)}) SELECT {', '.join(EXCHANGE_COLUMNS)} FROM polar_pending_exchanges"
 # an UPDATE plus an INSERT of the sessions not there yet: DuckDB's INSERT ... ON CONFLICT DO UPDATE cost ~3x more
 _UPDATE_SESSIONS = (
-    "UPDATE sessions SET last_seen_at = p.last_seen_at, n_exchanges = sessions.n_exchanges + p.n_exchanges, "
+    "UPDATE sessions SET last_seen_at = p.last_seen_at, n_exchanges = coalesce(sessions.n_exchanges, 0) + p.n_exchanges, "
     "harness = coalesce(sessions.harness, p.harness) FROM polar_pending_sessions p WHERE sessions.session_id = p.session_id"
 )
+_UPDATE_SESSION = "UPDATE sessions SET last_seen_at = ?, n_exchanges = coalesce(n_exchanges, 0) + ?, harness = coalesce(harness, ?) WHERE session_id = ?"
 _INSERT_SESSIONS = (
     "INSERT INTO sessions (session_id, created_at, last_seen_at, n_exchanges, harness) "
     "SELECT session_id, created_at, last_seen_at, n_exchanges, harness FROM polar_pending_sessions "
@@ -115,8 +163,67 @@ _INSERT_SESSIONS = (
 )
 
 
+# after a crash: session counters the writer had not flushed yet, recounted from the exchanges themselves
+_RECOUNT_NEW_SESSIONS = (
+    "INSERT INTO sessions (session_id, created_at, last_seen_at, n_exchanges, harness) "
+    "SELECT session_id, min(started_at), max(coalesce(ended_at, started_at)), count(*), any_value(harness) FROM exchanges "
+    "WHERE session_id NOT IN (SELECT session_id FROM sessions) GROUP BY session_id"
+)
+_RECOUNT_SESSIONS = (
+    "UPDATE sessions SET n_exchanges = e.n, last_seen_at = greatest(sessions.last_seen_at, e.last_seen_at), harness = coalesce(sessions.harness, e.harness) "
+    "FROM (SELECT session_id, count(*) AS n, max(coalesce(ended_at, started_at)) AS last_seen_at, any_value(harness) AS harness "
+    "FROM exchanges GROUP BY session_id) e WHERE sessions.session_id = e.session_id"
+)
+
+
 def now() -> datetime:
     return datetime.now(timezone.utc)
+
+
+def _quote(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def journal_table(number: int) -> str:
+    return f"{JOURNAL_PREFIX}{number:06d}"
+
+
+def segments_dir(db_path: str | os.PathLike[str]) -> Path:
+    return Path(str(db_path) + ".segments")
+
+
+def _from_journal(name: str) -> str:
+    """The contract-typed expression for one column, read from a journal row."""
+    kind = _base(EXCHANGE_COLUMNS[name])
+    if name in JOURNAL_COLUMNS:
+        return f'"{name}"'
+    if name == "prompt_token_ids":
+        from_response = f"json_transform(json_extract(r.engine_response, r.{PROMPT_IDS_AT}), '[\"INTEGER\"]')"
+        return f'coalesce(r."{name}", {from_response}) AS "{name}"'
+    if kind in ("JSON", "DOUBLE[]"):
+        return f'CAST(r."{name}" AS {kind}) AS "{name}"'
+    return f'r."{name}" AS "{name}"'
+
+
+JOURNAL_SELECT = ", ".join(_from_journal(name) for name in EXCHANGE_COLUMNS)
+
+
+def journal_source(number: int) -> str:
+    columns = ", ".join(f'"{name}"' for name in JOURNAL_COLUMNS if name != "record")
+    return f"(SELECT {columns}, json_transform(decode(record), {_quote(RECORD_STRUCTURE)}) AS r FROM {journal_table(number)})"
+
+
+SEGMENT_SELECT = ", ".join(f"CAST({name} AS {_base(kind)}) AS {name}" for name, kind in EXCHANGE_COLUMNS.items())
+
+
+def exchanges_view_sql(segment_files: list[Path], journals: list[int]) -> str:
+    parts = []
+    if segment_files:
+        files = ", ".join(_quote(str(path)) for path in segment_files)
+        # union_by_name: segments written before a column was added read it as NULL
+        parts.append(f"SELECT {SEGMENT_SELECT} FROM read_parquet([{files}], union_by_name = true)")
+    parts += [f"SELECT {JOURNAL_SELECT} FROM {journal_source(number)}" for number in journals]
+    return "CREATE OR REPLACE VIEW exchanges AS " + " UNION ALL ".join(parts)
 
 
 def _create_table(con: duckdb.DuckDBPyConnection, table: str, columns: dict[str, str]) -> None:
@@ -128,57 +235,152 @@ def _create_table(con: duckdb.DuckDBPyConnection, table: str, columns: dict[str,
             con.execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind.replace(' PRIMARY KEY', '').replace(' NOT NULL', '')}")
 
 
+def _tables(con: duckdb.DuckDBPyConnection) -> set[str]:
+    return {r[0] for r in con.execute("SELECT table_name FROM duckdb_tables() WHERE schema_name = 'main'").fetchall()}
+
+
 def ensure_schema(con: duckdb.DuckDBPyConnection) -> None:
-    _create_table(con, "exchanges", EXCHANGE_COLUMNS)
+    """The tables beside the exchanges (sessions, meta, the segment list); Store creates journals and the view."""
     _create_table(con, "sessions", SESSION_COLUMNS)
+    con.execute(f"CREATE TABLE IF NOT EXISTS {SEGMENTS_TABLE} (segment INTEGER PRIMARY KEY, file VARCHAR NOT NULL, rows BIGINT, created_at TIMESTAMPTZ)")
     con.execute("CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR)")
-    con.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
-    from polar_mitm import views  # views depend on the tables above
-
-    views.create_views(con)
 
 
-def _json(value: Any) -> str | None:
-    if value is None:
-        return None
+def _json_text(value: Any) -> str:
+    """The JSON text of a JSON column's value; text that is not strict JSON (e.g. NaN) is stored as re-encoded."""
+    text = getattr(value, "text", None)  # the engine's request and reply, kept as they crossed the wire
+    if isinstance(text, str):
+        if getattr(value, "strict", True):
+            return text
+        return _dumps(dict(value)).decode()
     if isinstance(value, (bytes, bytearray)):
         value = value.decode("utf-8", "replace")
     if isinstance(value, str):
-        return value
-    return json.dumps(value, ensure_ascii=False)
+        try:
+            orjson.loads(value)
+            return value
+        except orjson.JSONDecodeError:
+            return _dumps(value).decode()  # kept whole, as a JSON string
+    return _dumps(value).decode()
+
+
+def _prompt_ids_at(response: Any, prompt_ids: Any) -> str | None:
+    """The JSON path of `prompt_ids` inside the engine reply's text, if the ids were read from there."""
+    if not prompt_ids or not isinstance(getattr(response, "text", None), str) or not getattr(response, "strict", False):
+        return None
+    if response.get("prompt_token_ids") is prompt_ids:  # vLLM
+        return "$.prompt_token_ids"
+    choices = response.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[0], dict) and choices[0].get("prompt_token_ids") is prompt_ids:  # SGLang
+        return "$.choices[0].prompt_token_ids"
+    return None
+
+
+def _list_text(values: Any) -> str:
+    text = orjson.dumps(values)
+    if b"null" in text:
+        # orjson writes inf and nan as null; DuckDB's DOUBLE[] cast reads Python's spelling of them
+        return "[" + ", ".join("NULL" if v is None else repr(float(v)) for v in values) + "]"
+    return text.decode()
+
+
+def _dumps(value: Any) -> bytes:
+    try:
+        return orjson.dumps(value)
+    except (orjson.JSONEncodeError, TypeError):
+        # lone surrogates, integers beyond 64 bits, odd types: stored as near as JSON allows, not refused
+        return json.dumps(_sanitized(value), ensure_ascii=False, allow_nan=False, default=str).encode("utf-8", "replace")
+
+
+def _sanitized(value: Any) -> Any:
+    if isinstance(value, str):
+        return value.encode("utf-8", "replace").decode("utf-8")
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {_sanitized(str(k)): _sanitized(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_sanitized(v) for v in value]
+    return value
+
+
+def journal_record(row: dict[str, Any]) -> bytes:
+    """The JSON object holding a row's fields beyond the journal's own columns (absent ones left out).
+
+    Prompt ids are most of a row, and an engine reply that carries them has them already: then the record keeps
+    only where they are in it (they were parsed from that very text), and readers extract them from there.
+    """
+    record: dict[str, Any] = {}
+    prompt_ids_at = _prompt_ids_at(row.get("engine_response"), row.get("prompt_token_ids"))
+    if prompt_ids_at:
+        record[PROMPT_IDS_AT] = prompt_ids_at
+    for name in RECORD_FIELDS:
+        value = row.get(name)
+        if value is None or (prompt_ids_at and name == "prompt_token_ids"):
+            continue
+        if name in JSON_COLUMNS:
+            value = _json_text(value)
+        elif name in DOUBLE_LISTS:
+            value = _list_text(value)
+        record[name] = value
+    return _dumps(record)
 
 
 @dataclass
 class _Pending:
-    """One queued write: an exchange row, or a statement from execute_write."""
+    """One queued write: an exchange row, a statement from execute_write, or a step of the store itself."""
 
     sql: str = ""
     params: list[Any] = field(default_factory=list)
     done: Any = None  # called with (error or None) from the writer thread
     row: dict[str, Any] | None = None
+    step: Callable[[duckdb.DuckDBPyConnection], None] | None = None  # runs alone, in its own transaction
 
 
 class Store:
     """The single writer of one DuckDB file; safe to use from an asyncio event loop."""
 
-    def __init__(self, path: str | os.PathLike[str], batch_max: int = 256):
+    def __init__(self, path: str | os.PathLike[str], batch_max: int = 256, segment_rows: int = 256):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.segments_dir = segments_dir(self.path)
+        self.segment_rows = segment_rows
         self.con = duckdb.connect(str(self.path))
-        # Exchange rows are big (token-id lists, 100+ KB of JSON) and every checkpoint rewrites the table's partly
-        # filled row group. DuckDB's defaults checkpoint at every commit over 100 KB (skipping the WAL) and every
-        # 16 MB of WAL, so the writer's cost per row grew with the table; logging every commit and checkpointing
-        # every 256 MB roughly halves it (bench/run.py). The price: a longer WAL to replay after a crash.
+        # Checkpoints are the compactor's, right after it drops a journal (when there is least to write); the
+        # automatic ones, which would stall a commit, only if the WAL grows past 1 GB. DuckDB's default would also
+        # checkpoint instead of logging any commit over 100 KB, i.e. every exchange.
         self.con.execute(f"SET auto_checkpoint_skip_wal_threshold = {2**62}")
-        self.con.execute("SET checkpoint_threshold = '256MB'")
+        self.con.execute("SET checkpoint_threshold = '1GB'")
         ensure_schema(self.con)
-        self._seq: dict[str, int] = dict(
-            self.con.execute("SELECT session_id, max(seq) FROM exchanges GROUP BY session_id").fetchall()
-        )
+        self._segments: list[Path] = [self.segments_dir / file for (file,) in self.con.execute(f"SELECT file FROM {SEGMENTS_TABLE} ORDER BY segment").fetchall()]
+        self._migrate_v1()
+        self._journals = sorted(int(name[len(JOURNAL_PREFIX):]) for name in _tables(self.con) if re.fullmatch(JOURNAL_PREFIX + r"\d+", name))
+        numbers = self._journals + [int(path.stem) for path in self._segments if path.stem.isdigit()]
+        self._next_number = max(numbers, default=0) + 1
+        # journals left by a crash (or a hard stop) become segments before anything new is written
+        leftovers = list(self._journals)
+        self._rotate(self.con)
+        for number in leftovers:
+            self._compact(self.con, number)
+        self.con.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
+        from polar_mitm import views  # views depend on the tables above
+
+        views.create_views(self.con)
+        if self.con.execute("SELECT value FROM meta WHERE key = 'closed_cleanly'").fetchall() != [("true",)]:
+            self.con.execute(_RECOUNT_NEW_SESSIONS)
+            self.con.execute(_RECOUNT_SESSIONS)
+        self.con.execute("INSERT OR REPLACE INTO meta VALUES ('closed_cleanly', 'false')")
+        self._seq: dict[str, int] = dict(self.con.execute("SELECT session_id, max(seq) FROM exchanges GROUP BY session_id").fetchall())
+        self._journal_rows = 0
+        self._known_sessions = {session_id for (session_id,) in self.con.execute("SELECT session_id FROM sessions").fetchall()}
+        self._session_counts: dict[str, dict[str, Any]] = {}  # committed exchanges not yet counted into `sessions`
         self._queue: queue.Queue[_Pending | None] = queue.Queue()
         self._batch_max = batch_max
+        self._compactions: queue.Queue[int | None] = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="polar-store-writer", daemon=True)
         self._writer.start()
+        self._compactor = threading.Thread(target=self._compact_loop, name="polar-store-compactor", daemon=True)
+        self._compactor.start()
         self._control: ThreadingHTTPServer | None = None
         self.commits = 0
 
@@ -211,6 +413,9 @@ class Store:
 
     def execute_write(self, sql: str, params: list[Any] | None = None) -> None:
         """Run one write statement through the writer thread (serialised with exchange commits)."""
+        self._call_writer(_Pending(sql, params or []))
+
+    def _call_writer(self, item: _Pending) -> None:
         event = threading.Event()
         errors: list[BaseException] = []
 
@@ -219,19 +424,22 @@ class Store:
                 errors.append(error)
             event.set()
 
-        self._queue.put(_Pending(sql, params or [], done=done))
+        item.done = done
+        self._queue.put(item)
         event.wait()
         if errors:
             raise errors[0]
 
     def _write_loop(self) -> None:
         con = self.con.cursor()
+        unflushed_batches = 0
         while True:
             first = self._queue.get()
             if first is None:
+                self._flush_sessions(con)
                 return
             batch = [first]
-            while len(batch) < self._batch_max:
+            while len(batch) < self._batch_max and first.step is None:
                 try:
                     item = self._queue.get_nowait()
                 except queue.Empty:
@@ -239,18 +447,52 @@ class Store:
                 if item is None:
                     self._queue.put(None)
                     break
+                if item.step is not None:
+                    self._queue.put(item)  # steps run alone; the queue keeps no order promise across them
+                    break
                 batch.append(item)
+            if first.step is not None:
+                self._run_step(con, first)
+                continue
             self._commit_batch(con, batch)
+            unflushed_batches += 1
+            # session counters follow the replies, when the queue is idle (or every 8 batches under load)
+            if self._queue.empty() or unflushed_batches >= 8:
+                self._flush_sessions(con)
+                unflushed_batches = 0
+            if self._journal_rows >= self.segment_rows:
+                try:
+                    full = self._rotate(con)
+                except Exception:  # noqa: BLE001 - keep journaling into the current table; retried after the next batch
+                    log.exception("polar-mitm: could not start a new journal")
+                    continue
+                if full is not None:
+                    self._compactions.put(full)
+
+    def _run_step(self, con: duckdb.DuckDBPyConnection, item: _Pending) -> None:
+        assert item.step is not None
+        try:
+            item.step(con)
+        except Exception as error:  # noqa: BLE001 - reported to the waiting caller
+            if item.done:
+                item.done(error)
+            return
+        if item.done:
+            item.done(None)
 
     def _commit_batch(self, con: duckdb.DuckDBPyConnection, batch: list[_Pending]) -> None:
         try:
-            con.execute("BEGIN TRANSACTION")
-            self._apply(con, batch)
-            con.execute("COMMIT")
+            if all(item.row is not None for item in batch):
+                # one INSERT is its own transaction: no BEGIN/COMMIT statements to pay for (~0.5 ms at one row)
+                _insert_journal_rows(con, [item.row for item in batch], journal_table(self._journals[-1]))  # type: ignore[misc]
+            else:
+                con.execute("BEGIN TRANSACTION")
+                self._apply(con, batch)
+                con.execute("COMMIT")
             self.commits += 1
         except Exception:
-            con.execute("ROLLBACK")
-            _release(con)
+            if len(batch) > 1 or batch[0].row is None:
+                _rollback(con)
             # one bad row must not fail its neighbours: retry each alone
             for item in batch:
                 try:
@@ -258,31 +500,139 @@ class Store:
                     self._apply(con, [item])
                     con.execute("COMMIT")
                 except Exception as error:  # noqa: BLE001 - reported to the waiting caller
-                    con.execute("ROLLBACK")
-                    _release(con)
+                    _rollback(con)
                     if item.done:
                         item.done(error)
                     continue
-                _release(con)
-                if item.done:
-                    item.done(None)
+                self._committed([item])
             return
-        _release(con)
+        self._committed(batch)
+
+    def _committed(self, batch: list[_Pending]) -> None:
+        rows = [item.row for item in batch if item.row is not None]
+        self._journal_rows += len(rows)
+        _count_sessions(self._session_counts, rows)
         for item in batch:
             if item.done:
                 item.done(None)
 
     def _apply(self, con: duckdb.DuckDBPyConnection, batch: list[_Pending]) -> None:
         """The batch's writes in queue order; each run of exchange rows goes in as one insert."""
+        table = journal_table(self._journals[-1])
         rows: list[dict[str, Any]] = []
         for item in batch:
             if item.row is not None:
                 rows.append(item.row)
                 continue
-            _insert_exchanges(con, rows)
+            _insert_journal_rows(con, rows, table)
             rows = []
             con.execute(item.sql, item.params)
-        _insert_exchanges(con, rows)
+        _insert_journal_rows(con, rows, table)
+
+    def _flush_sessions(self, con: duckdb.DuckDBPyConnection) -> None:
+        """Count committed exchanges into `sessions`, in a transaction of their own.
+
+        Kept out of the exchange's commit, which the client waits for (each DuckDB statement costs ~0.5 ms). If the
+        process dies in between, the next open recounts the sessions from the exchanges.
+        """
+        if not self._session_counts:
+            return
+        counts = self._session_counts
+        try:
+            if len(counts) == 1 and self._known_sessions.issuperset(counts):
+                _update_sessions(con, counts, self._known_sessions)  # one UPDATE: its own transaction
+            else:
+                con.execute("BEGIN TRANSACTION")
+                _update_sessions(con, counts, self._known_sessions)
+                con.execute("COMMIT")
+        except Exception:  # noqa: BLE001 - kept, and retried with the next flush
+            _rollback(con)
+            log.exception("polar-mitm: could not update session counters")
+            return
+        self._known_sessions.update(counts)
+        self._session_counts = {}
+
+    # -- journals and segments
+    def _rotate(self, con: duckdb.DuckDBPyConnection) -> int | None:
+        """Start a new journal; returns the full one, for the compactor. Writer thread (or before it starts)."""
+        number = self._next_number
+        journals = self._journals + [number]
+        con.execute("BEGIN TRANSACTION")
+        try:
+            con.execute(f"CREATE TABLE {journal_table(number)} ({', '.join(f'{n} {t}' for n, t in JOURNAL_COLUMNS.items())})")
+            self._write_view(con, self._segments, journals)
+            con.execute("COMMIT")
+        except Exception:
+            con.execute("ROLLBACK")
+            raise
+        self._next_number += 1
+        full, self._journals, self._journal_rows = self._journals, journals, 0
+        return full[-1] if full else None
+
+    def _write_view(self, con: duckdb.DuckDBPyConnection, segment_files: list[Path], journals: list[int]) -> None:
+        con.execute(exchanges_view_sql(segment_files, journals))
+        con.execute(f"COMMENT ON VIEW exchanges IS {_quote(EXCHANGES_DOC)}")
+
+    def _write_segment(self, con: duckdb.DuckDBPyConnection, number: int) -> int:
+        """Copy journal `number` (no longer written to) into its Parquet segment; returns the rows copied."""
+        rows = con.execute(f"SELECT count(*) FROM {journal_table(number)}").fetchone()[0]
+        if rows:
+            write_parquet(con, f"SELECT {JOURNAL_SELECT} FROM {journal_source(number)}", self.segments_dir / f"{number:06d}.parquet")
+        return rows
+
+    def _install_segment(self, con: duckdb.DuckDBPyConnection, number: int, rows: int) -> None:
+        """Swap journal `number` for its segment in one transaction: the rows are never in both or in neither."""
+        segments = self._segments + ([self.segments_dir / f"{number:06d}.parquet"] if rows else [])
+        journals = [j for j in self._journals if j != number]
+        con.execute("BEGIN TRANSACTION")
+        try:
+            if rows:
+                con.execute(f"INSERT INTO {SEGMENTS_TABLE} VALUES (?, ?, ?, ?)", [number, f"{number:06d}.parquet", rows, now()])
+            self._write_view(con, segments, journals)
+            con.execute(f"DROP TABLE {journal_table(number)}")
+            con.execute("COMMIT")
+        except Exception:
+            con.execute("ROLLBACK")
+            raise
+        self._segments, self._journals = segments, journals
+
+    def _compact(self, con: duckdb.DuckDBPyConnection, number: int) -> None:
+        """Journal to segment, all in the calling thread (start-up and close, when nothing else writes)."""
+        self._install_segment(con, number, self._write_segment(con, number))
+
+    def _compact_loop(self) -> None:
+        con = self.con.cursor()
+        while True:
+            number = self._compactions.get()
+            if number is None:
+                return
+            try:
+                rows = self._write_segment(con, number)
+                self._call_writer(_Pending(step=lambda writer, number=number, rows=rows: self._install_segment(writer, number, rows)))
+            except Exception:  # noqa: BLE001 - the journal stays (and stays in the view); compacted again at the next open
+                log.exception(f"polar-mitm: could not compact {journal_table(number)}")
+                continue
+            _checkpoint_soon(con)
+
+    def _migrate_v1(self) -> None:
+        """Schema 1 kept `exchanges` as a table: it becomes the first segment."""
+        is_table = self.con.execute("SELECT count(*) FROM duckdb_tables() WHERE schema_name = 'main' AND table_name = 'exchanges'").fetchone()[0]
+        if not is_table:
+            return
+        number = max([int(p.stem) for p in self._segments if p.stem.isdigit()], default=0) + 1
+        path = self.segments_dir / f"{number:06d}.parquet"
+        rows = self.con.execute("SELECT count(*) FROM exchanges").fetchone()[0]
+        if rows:
+            columns = {r[0] for r in self.con.execute("SELECT column_name FROM information_schema.columns WHERE table_name = 'exchanges'").fetchall()}
+            select = ", ".join(f"CAST({n} AS {_base(k)}) AS {n}" if n in columns else f"CAST(NULL AS {_base(k)}) AS {n}" for n, k in EXCHANGE_COLUMNS.items())
+            write_parquet(self.con, f"SELECT {select} FROM exchanges", path)
+        self.con.execute("BEGIN TRANSACTION")
+        if rows:
+            self.con.execute(f"INSERT INTO {SEGMENTS_TABLE} VALUES (?, ?, ?, ?)", [number, path.name, rows, now()])
+        self.con.execute("DROP TABLE exchanges")
+        self.con.execute("COMMIT")
+        if rows:
+            self._segments.append(path)
 
     # -- reads (any thread)
     def query(self, sql: str, params: list[Any] | None = None) -> tuple[list[str], list[tuple[Any, ...]]]:
@@ -326,48 +676,125 @@ class Store:
         return url
 
     def close(self) -> None:
+        """Stop writing; every journal becomes a segment, so a closed store holds its exchanges in Parquet."""
         if self._control is not None:
             self._control.shutdown()
             control_file(self.path).unlink(missing_ok=True)
             self._control = None
+        self._compactions.put(None)  # finishes the compactions queued so far (their last step needs the writer)
+        self._compactor.join(timeout=600)
         self._queue.put(None)
-        self._writer.join(timeout=30)
+        self._writer.join(timeout=60)
+        try:
+            full = list(self._journals)
+            self._rotate(self.con)
+            for number in full:
+                self._compact(self.con, number)
+            self.con.execute("INSERT OR REPLACE INTO meta VALUES ('closed_cleanly', 'true')")
+            self.con.execute("CHECKPOINT")
+        except Exception:  # noqa: BLE001 - the journals stay; the next open compacts them
+            log.exception("polar-mitm: could not compact the journal at close")
         self.con.close()
 
 
-def _insert_exchanges(con: duckdb.DuckDBPyConnection, rows: list[dict[str, Any]]) -> None:
-    """Insert exchange rows and count them into their sessions: three statements, however many rows."""
+def write_parquet(con: duckdb.DuckDBPyConnection, select: str, path: Path) -> None:
+    """Write a segment durably: to a temporary name, fsynced, then renamed (a segment file is whole or absent)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".tmp")
+    con.execute(f"COPY ({select}) TO {_quote(str(temporary))} (FORMAT parquet, COMPRESSION zstd)")
+    _fsync(temporary)
+    os.replace(temporary, path)
+    _fsync(path.parent)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _checkpoint_soon(con: duckdb.DuckDBPyConnection, attempts: int = 2000) -> bool:
+    """CHECKPOINT in a gap between the writer's transactions (DuckDB refuses one while another write is open)."""
+    for _ in range(attempts):
+        try:
+            con.execute("CHECKPOINT")
+            return True
+        except duckdb.TransactionException:
+            time.sleep(0.001)
+    log.info("polar-mitm: no gap for a checkpoint; DuckDB checkpoints by itself past 1 GB of WAL")
+    return False
+
+
+def add_segment(con: duckdb.DuckDBPyConnection, db_path: str | os.PathLike[str], rows: pa.Table) -> None:
+    """Bulk-load exchange rows (an Arrow table, any subset of the columns) as one segment of a store no Store has open."""
+    present = set(rows.column_names)
+    select = ", ".join(f"CAST({n} AS {_base(k)}) AS {n}" if n in present else f"CAST(NULL AS {_base(k)}) AS {n}" for n, k in EXCHANGE_COLUMNS.items())
+    number = con.execute(f"SELECT coalesce(max(segment), 0) + 1 FROM {SEGMENTS_TABLE}").fetchone()[0]
+    folder = segments_dir(db_path)
+    con.register("polar_bulk_rows", rows)
+    try:
+        write_parquet(con, f"SELECT {select} FROM polar_bulk_rows", folder / f"{number:06d}.parquet")
+    finally:
+        con.unregister("polar_bulk_rows")
+    con.execute(f"INSERT INTO {SEGMENTS_TABLE} VALUES (?, ?, ?, ?)", [number, f"{number:06d}.parquet", rows.num_rows, now()])
+
+
+def _insert_journal_rows(con: duckdb.DuckDBPyConnection, rows: list[dict[str, Any]], table: str) -> None:
+    """Insert exchange rows into a journal table: one statement, however many rows."""
     if not rows:
         return
-    columns = {name: [row.get(name) for row in rows] for name in EXCHANGE_COLUMNS}
-    for name in JSON_COLUMNS:
-        columns[name] = [_json(value) for value in columns[name]]
-    sessions: dict[str, dict[str, Any]] = {}
+    if len(rows) == 1:
+        row = rows[0]
+        con.execute(f"INSERT INTO {table} VALUES (?, ?, ?, ?, ?)", [row["exchange_id"], row["session_id"], row["seq"], row["status"], journal_record(row)])
+        return
+    # DuckDB reads the Arrow table by its variable name (a replacement scan: cheaper than register())
+    polar_pending_exchanges = pa.table(  # noqa: F841 - read by DuckDB
+        {
+            "exchange_id": [row["exchange_id"] for row in rows],
+            "session_id": [row["session_id"] for row in rows],
+            "seq": [row["seq"] for row in rows],
+            "status": [row["status"] for row in rows],
+            "record": pa.array([journal_record(row) for row in rows], pa.binary()),  # orjson's output: UTF-8 by construction
+        },
+        schema=JOURNAL_ARROW_SCHEMA,
+    )
+    con.execute(f"INSERT INTO {table} SELECT * FROM polar_pending_exchanges")
+
+
+def _rollback(con: duckdb.DuckDBPyConnection) -> None:
+    try:
+        con.execute("ROLLBACK")
+    except duckdb.TransactionException:
+        pass  # no transaction was open (a failed autocommit statement)
+
+
+def _count_sessions(counts: dict[str, dict[str, Any]], rows: list[dict[str, Any]]) -> None:
     for row in rows:
         stamp = row.get("ended_at") or now()
-        entry = sessions.get(row["session_id"])
+        entry = counts.get(row["session_id"])
         if entry is None:
-            sessions[row["session_id"]] = {"created_at": row.get("started_at") or stamp, "last_seen_at": stamp, "n_exchanges": 1, "harness": row.get("harness")}
+            counts[row["session_id"]] = {"created_at": row.get("started_at") or stamp, "last_seen_at": stamp, "n_exchanges": 1, "harness": row.get("harness")}
         else:
             entry["last_seen_at"] = stamp
             entry["n_exchanges"] += 1
             entry["harness"] = entry["harness"] or row.get("harness")
-    exchanges = pa.table(columns, schema=EXCHANGE_ARROW_SCHEMA)
-    session_rows = pa.table(
-        {"session_id": list(sessions), **{key: [entry[key] for entry in sessions.values()] for key in ("created_at", "last_seen_at", "n_exchanges", "harness")}},
+
+
+def _update_sessions(con: duckdb.DuckDBPyConnection, counts: dict[str, dict[str, Any]], known: set[str]) -> None:
+    """Add counts to the sessions that exist (e.g. recorded by the rollout server), then insert the new ones."""
+    if len(counts) == 1:
+        ((session_id, entry),) = counts.items()
+        con.execute(_UPDATE_SESSION, [entry["last_seen_at"], entry["n_exchanges"], entry["harness"], session_id])
+    polar_pending_sessions = pa.table(  # noqa: F841 - read by DuckDB
+        {"session_id": list(counts), **{key: [entry[key] for entry in counts.values()] for key in ("created_at", "last_seen_at", "n_exchanges", "harness")}},
         schema=SESSION_ARROW_SCHEMA,
     )
-    # unregistered by _release once the transaction has ended (inside an aborted one, unregister itself fails)
-    con.register("polar_pending_exchanges", exchanges)
-    con.register("polar_pending_sessions", session_rows)
-    con.execute(_INSERT_EXCHANGES)
-    con.execute(_UPDATE_SESSIONS)
-    con.execute(_INSERT_SESSIONS)
-
-
-def _release(con: duckdb.DuckDBPyConnection) -> None:
-    con.unregister("polar_pending_exchanges")
-    con.unregister("polar_pending_sessions")
+    if len(counts) > 1:
+        con.execute(_UPDATE_SESSIONS)
+    if not known.issuperset(counts):
+        con.execute(_INSERT_SESSIONS)
 
 
 def control_file(db_path: str | os.PathLike[str]) -> Path:

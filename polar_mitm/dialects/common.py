@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import orjson
+
 from polar_mitm.exchange import DialectError
 
 
@@ -12,14 +14,23 @@ def load_json_object(body: bytes) -> dict[str, Any]:
     if not body:
         raise DialectError(400, "invalid_request_error", "the request body is empty; a JSON object was expected")
     try:
-        data = json.loads(body)
+        # orjson first: a harness body is 20-60 KB and stdlib json took ~0.4 ms of the event loop for it
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        data = _load_json_leniently(body)
+    if not isinstance(data, dict):
+        raise DialectError(400, "invalid_request_error", f"the request body must be a JSON object, not {type(data).__name__}")
+    return data
+
+
+def _load_json_leniently(body: bytes) -> Any:
+    """What orjson refuses, json may accept (NaN, integers beyond 64 bits); otherwise json words the error."""
+    try:
+        return json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise DialectError(400, "invalid_request_error", f"the request body is not valid JSON: {error}") from error
     except RecursionError as error:
         raise DialectError(400, "invalid_request_error", "the request body nests JSON too deeply") from error
-    if not isinstance(data, dict):
-        raise DialectError(400, "invalid_request_error", f"the request body must be a JSON object, not {type(data).__name__}")
-    return data
 
 
 def expect(data: dict[str, Any], key: str, kinds: type | tuple[type, ...], required: bool = False, where: str = "") -> Any:

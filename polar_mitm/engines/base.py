@@ -19,20 +19,32 @@ class WireJSON(dict):
     instead of encoding 100+ KB of token ids and logprobs again on every exchange.
     """
 
-    __slots__ = ("text",)
+    __slots__ = ("text", "strict")
 
-    def __init__(self, value: dict[str, Any], text: str | None = None):
+    def __init__(self, value: dict[str, Any], text: str | None = None, strict: bool = True):
         super().__init__(value)
-        self.text = json.dumps(value, ensure_ascii=False, separators=(",", ":")) if text is None else text
+        if text is None:
+            text, strict = _encode(value)
+        self.text = text
+        self.strict = strict  # False: the text has what JSON forbids (NaN, Infinity); the store re-encodes it
+
+
+def _encode(value: dict[str, Any]) -> tuple[str, bool]:
+    try:
+        return orjson.dumps(value).decode(), True
+    except (orjson.JSONEncodeError, TypeError):
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":")), False  # non-string keys, ints beyond 64 bits
 
 
 def _decode(text: str) -> Any:
+    strict = True
     try:
         # orjson: ~2.5x faster on replies that are mostly token-id arrays (the decode was a fifth of the event loop)
         value = orjson.loads(text)
     except orjson.JSONDecodeError:
         value = json.loads(text)  # what orjson refuses and json accepts (NaN, lone surrogates, huge ints)
-    return WireJSON(value, text) if isinstance(value, dict) else value
+        strict = False
+    return WireJSON(value, text, strict) if isinstance(value, dict) else value
 
 
 class Engine:

@@ -23,7 +23,7 @@ from mitmproxy import ctx, exceptions, http
 
 from polar_mitm import dialects, redact, session
 from polar_mitm.engines import make_engine
-from polar_mitm.engines.base import Engine, WireJSON
+from polar_mitm.engines.base import Engine
 from polar_mitm.exchange import DialectError, EngineError, ParsedRequest
 from polar_mitm.run_cli import GATEWAY_FILE
 from polar_mitm.store import Store, now
@@ -266,9 +266,9 @@ class PolarAddon:
         finally:
             row["engine_ended_at"] = now()
         row.update(
-            # recorded as the texts that crossed the wire, not encoded again (100+ KB of token ids and logprobs)
-            engine_request=_wire_text(sent),
-            engine_response=_wire_text(raw),
+            # WireJSON: the store records the texts that crossed the wire, not encoded again (100+ KB of token ids)
+            engine_request=sent,
+            engine_response=raw,
             prompt_token_ids=completion.prompt_token_ids,
             completion_token_ids=completion.completion_token_ids,
             completion_logprobs=completion.completion_logprobs,
@@ -301,10 +301,6 @@ class PolarAddon:
 def _proxy_auth_required() -> http.Response:
     body = json.dumps({"error": {"message": "polar-mitm: proxy credentials missing or invalid; use http://SESSION:TOKEN@host:port (see `polar-mitm run`)", "type": "proxy_authentication_required"}})
     return http.Response.make(407, body, {"Proxy-Authenticate": 'Basic realm="polar-mitm"', "content-type": "application/json"})
-
-
-def _wire_text(value: Any) -> Any:
-    return value.text if isinstance(value, WireJSON) else value
 
 
 def _int_or_none(value: str | None) -> int | None:
