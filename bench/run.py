@@ -523,6 +523,14 @@ def ingest_worker(db: str, seconds: float) -> None:
     # the gateway records the engine request and reply as the texts that crossed the wire
     engine_request_text = json.dumps(engine_request, separators=(",", ":"))
     engine_response_text = json.dumps(engine_response, separators=(",", ":"))
+    try:  # what the gateway hands the store: the engine's request and reply as WireJSON (text + parsed value)
+        from polar_mitm.engines.base import WireJSON, _decode
+        from polar_mitm.store import journal_records  # noqa: F401 - present since the journal store
+    except ImportError:  # an older tree (--baseline): its gateway handed over the texts
+        engine_request_wire, engine_response_wire = engine_request_text, engine_response_text
+    else:
+        engine_request_wire, engine_response_wire = WireJSON(engine_request, engine_request_text), _decode(engine_response_text)
+        prompt_ids = engine_response_wire["prompt_token_ids"]
     store = Store(db)
     store.serve_sql(0)
     count = 0
@@ -535,7 +543,7 @@ def ingest_worker(db: str, seconds: float) -> None:
                 "exchange_id": f"{index}-{count}-{rng.random()}", "session_id": session_id, "seq": store.next_seq(session_id), "api": "openai_chat",
                 "action": "generate", "stream": False, "status": "ok", "http_status": 200, "model_requested": "qwen3-coder-plus", "model_engine": STUB_MODEL,
                 "engine_kind": "vllm", "method": "POST", "host": "api.openai.com", "path": "/v1/chat/completions", "harness": "qwen",
-                "request_headers": spec["headers"], "request_body": request_body, "engine_request": engine_request_text, "engine_response": engine_response_text,
+                "request_headers": spec["headers"], "request_body": request_body, "engine_request": engine_request_wire, "engine_response": engine_response_wire,
                 "response_body": {"choices": [{"message": {"content": "x" * 2000}}]}, "prompt_token_ids": prompt_ids, "completion_token_ids": completion_ids,
                 "completion_logprobs": logprobs, "finish_reason": "length", "prompt_tokens": tokens, "completion_tokens": tokens,
                 "started_at": now(), "engine_started_at": now(), "engine_ended_at": now(), "ended_at": now(),

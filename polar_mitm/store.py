@@ -113,15 +113,17 @@ def _base(kind: str) -> str:
 
 JSON_COLUMNS = {name for name, kind in EXCHANGE_COLUMNS.items() if _base(kind) == "JSON"}
 
-# A journal row is five columns: the ones live SQL filters on, and the rest as one JSON object. DuckDB charges
-# ~20 us per column for every INSERT however small, which the reply waits for; the record is parsed back when
-# read (json_transform, ~1 GB/s) and once more when the journal becomes a segment.
-JOURNAL_COLUMNS = {"exchange_id": "VARCHAR", "session_id": "VARCHAR", "seq": "INTEGER", "status": "VARCHAR", "record": "BLOB"}
-RECORD_FIELDS = [name for name in EXCHANGE_COLUMNS if name not in JOURNAL_COLUMNS]
+# A journal row is six columns: the ones live SQL filters on most, then the other fields as two JSON objects, a
+# small head (scalars, headers) and a body (texts, token ids, logprobs), so a query on the head never parses a
+# body. DuckDB charges ~20 us per column for every INSERT however small, which the reply waits for; the records
+# are parsed back when read (json_transform) and once more when the journal becomes a segment.
+JOURNAL_COLUMNS = {"exchange_id": "VARCHAR", "session_id": "VARCHAR", "seq": "INTEGER", "status": "VARCHAR", "head": "BLOB", "body": "BLOB"}
+BODY_FIELDS = ["request_body", "engine_request", "engine_response", "response_body", "response_stream", "prompt_token_ids", "completion_token_ids", "completion_logprobs"]
+HEAD_FIELDS = [name for name in EXCHANGE_COLUMNS if name not in JOURNAL_COLUMNS and name not in BODY_FIELDS]
 
 
 def _record_type(kind: str) -> Any:
-    """How a field is spelled in the record, as a json_transform structure. JSON columns travel as strings (their
+    """How a field is spelled in a record, as a json_transform structure. JSON columns travel as strings (their
     text is kept exactly), DOUBLE[] as text DuckDB casts (JSON has no inf or nan)."""
     base = _base(kind)
     if base in ("JSON", "DOUBLE[]"):
@@ -129,9 +131,10 @@ def _record_type(kind: str) -> Any:
     return [base[:-2]] if base.endswith("[]") else base
 
 
-# where in engine_response the prompt ids are, when they are left out of the record (see journal_record)
+# where in engine_response the prompt ids are, when they are left out of the body (see journal_records)
 PROMPT_IDS_AT = "prompt_token_ids_at"
-RECORD_STRUCTURE = json.dumps({**{name: _record_type(EXCHANGE_COLUMNS[name]) for name in RECORD_FIELDS}, PROMPT_IDS_AT: "VARCHAR"}, separators=(",", ":"))
+HEAD_STRUCTURE = json.dumps({name: _record_type(EXCHANGE_COLUMNS[name]) for name in HEAD_FIELDS}, separators=(",", ":"))
+BODY_STRUCTURE = json.dumps({**{name: _record_type(EXCHANGE_COLUMNS[name]) for name in BODY_FIELDS}, PROMPT_IDS_AT: "VARCHAR"}, separators=(",", ":"))
 DOUBLE_LISTS = {name for name, kind in EXCHANGE_COLUMNS.items() if _base(kind) == "DOUBLE[]"}
 
 
@@ -197,20 +200,24 @@ def _from_journal(name: str) -> str:
     kind = _base(EXCHANGE_COLUMNS[name])
     if name in JOURNAL_COLUMNS:
         return f'"{name}"'
+    record = "b" if name in BODY_FIELDS else "h"
     if name == "prompt_token_ids":
-        from_response = f"json_transform(json_extract(r.engine_response, r.{PROMPT_IDS_AT}), '[\"INTEGER\"]')"
-        return f'coalesce(r."{name}", {from_response}) AS "{name}"'
+        from_response = f"json_transform(json_extract(b.engine_response, b.{PROMPT_IDS_AT}), '[\"INTEGER\"]')"
+        return f'coalesce(b."{name}", {from_response}) AS "{name}"'
     if kind in ("JSON", "DOUBLE[]"):
-        return f'CAST(r."{name}" AS {kind}) AS "{name}"'
-    return f'r."{name}" AS "{name}"'
+        return f'CAST({record}."{name}" AS {kind}) AS "{name}"'
+    return f'{record}."{name}" AS "{name}"'
 
 
 JOURNAL_SELECT = ", ".join(_from_journal(name) for name in EXCHANGE_COLUMNS)
 
 
 def journal_source(number: int) -> str:
-    columns = ", ".join(f'"{name}"' for name in JOURNAL_COLUMNS if name != "record")
-    return f"(SELECT {columns}, json_transform(decode(record), {_quote(RECORD_STRUCTURE)}) AS r FROM {journal_table(number)})"
+    columns = ", ".join(f'"{name}"' for name in JOURNAL_COLUMNS if name not in ("head", "body"))
+    return (
+        f"(SELECT {columns}, json_transform(decode(head), {_quote(HEAD_STRUCTURE)}) AS h, "
+        f"json_transform(decode(body), {_quote(BODY_STRUCTURE)}) AS b FROM {journal_table(number)})"
+    )
 
 
 SEGMENT_SELECT = ", ".join(f"CAST({name} AS {_base(kind)}) AS {name}" for name, kind in EXCHANGE_COLUMNS.items())
@@ -304,17 +311,22 @@ def _sanitized(value: Any) -> Any:
     return value
 
 
-def journal_record(row: dict[str, Any]) -> bytes:
-    """The JSON object holding a row's fields beyond the journal's own columns (absent ones left out).
+def journal_records(row: dict[str, Any]) -> tuple[bytes, bytes]:
+    """The head and body JSON objects of a row's fields beyond the journal's own columns (absent ones left out).
 
-    Prompt ids are most of a row, and an engine reply that carries them has them already: then the record keeps
+    Prompt ids are most of a row, and an engine reply that carries them has them already: then the body keeps
     only where they are in it (they were parsed from that very text), and readers extract them from there.
     """
-    record: dict[str, Any] = {}
+    head: dict[str, Any] = {}
+    for name in HEAD_FIELDS:
+        value = row.get(name)
+        if value is not None:
+            head[name] = _json_text(value) if name in JSON_COLUMNS else value
+    body: dict[str, Any] = {}
     prompt_ids_at = _prompt_ids_at(row.get("engine_response"), row.get("prompt_token_ids"))
     if prompt_ids_at:
-        record[PROMPT_IDS_AT] = prompt_ids_at
-    for name in RECORD_FIELDS:
+        body[PROMPT_IDS_AT] = prompt_ids_at
+    for name in BODY_FIELDS:
         value = row.get(name)
         if value is None or (prompt_ids_at and name == "prompt_token_ids"):
             continue
@@ -322,8 +334,8 @@ def journal_record(row: dict[str, Any]) -> bytes:
             value = _json_text(value)
         elif name in DOUBLE_LISTS:
             value = _list_text(value)
-        record[name] = value
-    return _dumps(record)
+        body[name] = value
+    return _dumps(head), _dumps(body)
 
 
 @dataclass
@@ -747,16 +759,19 @@ def _insert_journal_rows(con: duckdb.DuckDBPyConnection, rows: list[dict[str, An
         return
     if len(rows) == 1:
         row = rows[0]
-        con.execute(f"INSERT INTO {table} VALUES (?, ?, ?, ?, ?)", [row["exchange_id"], row["session_id"], row["seq"], row["status"], journal_record(row)])
+        con.execute(f"INSERT INTO {table} VALUES (?, ?, ?, ?, ?, ?)", [row["exchange_id"], row["session_id"], row["seq"], row["status"], *journal_records(row)])
         return
     # DuckDB reads the Arrow table by its variable name (a replacement scan: cheaper than register())
+    records = [journal_records(row) for row in rows]
     polar_pending_exchanges = pa.table(  # noqa: F841 - read by DuckDB
         {
             "exchange_id": [row["exchange_id"] for row in rows],
             "session_id": [row["session_id"] for row in rows],
             "seq": [row["seq"] for row in rows],
             "status": [row["status"] for row in rows],
-            "record": pa.array([journal_record(row) for row in rows], pa.binary()),  # orjson's output: UTF-8 by construction
+            # orjson's output: UTF-8 by construction, so no validation on the way in
+            "head": pa.array([head for head, _ in records], pa.binary()),
+            "body": pa.array([body for _, body in records], pa.binary()),
         },
         schema=JOURNAL_ARROW_SCHEMA,
     )
