@@ -28,7 +28,7 @@ import queue
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -134,7 +134,7 @@ def _record_type(kind: str) -> Any:
 # where in engine_response the prompt ids are, when they are left out of the body (see journal_records)
 PROMPT_IDS_AT = "prompt_token_ids_at"
 HEAD_STRUCTURE = json.dumps({name: _record_type(EXCHANGE_COLUMNS[name]) for name in HEAD_FIELDS}, separators=(",", ":"))
-BODY_STRUCTURE = json.dumps({**{name: _record_type(EXCHANGE_COLUMNS[name]) for name in BODY_FIELDS}, PROMPT_IDS_AT: "VARCHAR"}, separators=(",", ":"))
+BODY_STRUCTURE = json.dumps({**{name: _record_type(EXCHANGE_COLUMNS[name]) for name in BODY_FIELDS}, PROMPT_IDS_AT: ["BIGINT"]}, separators=(",", ":"))
 DOUBLE_LISTS = {name for name, kind in EXCHANGE_COLUMNS.items() if _base(kind) == "DOUBLE[]"}
 
 
@@ -202,7 +202,7 @@ def _from_journal(name: str) -> str:
         return f'"{name}"'
     record = "b" if name in BODY_FIELDS else "h"
     if name == "prompt_token_ids":
-        from_response = f"json_transform(json_extract(b.engine_response, b.{PROMPT_IDS_AT}), '[\"INTEGER\"]')"
+        from_response = f"json_transform(substr(b.engine_response, b.{PROMPT_IDS_AT}[1], b.{PROMPT_IDS_AT}[2]), '[\"INTEGER\"]')"
         return f'coalesce(b."{name}", {from_response}) AS "{name}"'
     if kind in ("JSON", "DOUBLE[]"):
         return f'CAST({record}."{name}" AS {kind}) AS "{name}"'
@@ -271,16 +271,13 @@ def _json_text(value: Any) -> str:
     return _dumps(value).decode()
 
 
-def _prompt_ids_at(response: Any, prompt_ids: Any) -> str | None:
-    """The JSON path of `prompt_ids` inside the engine reply's text, if the ids were read from there."""
-    if not prompt_ids or not isinstance(getattr(response, "text", None), str) or not getattr(response, "strict", False):
+def _prompt_ids_at(response: Any, prompt_ids: Any) -> list[int] | None:
+    """[start, length] of the prompt ids' array inside the engine reply's text (1-based, in characters, as DuckDB's
+    substr counts), when the ids are a slice of that text (engines.base.TokenIds); readers parse just that slice."""
+    text = getattr(response, "text", None)
+    if text is None or getattr(prompt_ids, "source", None) is not text or not getattr(response, "strict", False):
         return None
-    if response.get("prompt_token_ids") is prompt_ids:  # vLLM
-        return "$.prompt_token_ids"
-    choices = response.get("choices")
-    if isinstance(choices, list) and choices and isinstance(choices[0], dict) and choices[0].get("prompt_token_ids") is prompt_ids:  # SGLang
-        return "$.choices[0].prompt_token_ids"
-    return None
+    return [prompt_ids.start + 1, prompt_ids.end - prompt_ids.start]
 
 
 def _list_text(values: Any) -> str:
@@ -293,10 +290,16 @@ def _list_text(values: Any) -> str:
 
 def _dumps(value: Any) -> bytes:
     try:
-        return orjson.dumps(value)
+        return orjson.dumps(value, default=_as_list)
     except (orjson.JSONEncodeError, TypeError):
         # lone surrogates, integers beyond 64 bits, odd types: stored as near as JSON allows, not refused
         return json.dumps(_sanitized(value), ensure_ascii=False, allow_nan=False, default=str).encode("utf-8", "replace")
+
+
+def _as_list(value: Any) -> list[Any]:
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        return list(value)  # e.g. TokenIds
+    raise TypeError(f"cannot store a {type(value).__name__} as JSON")
 
 
 def _sanitized(value: Any) -> Any:
@@ -306,7 +309,7 @@ def _sanitized(value: Any) -> Any:
         return None
     if isinstance(value, dict):
         return {_sanitized(str(k)): _sanitized(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
         return [_sanitized(v) for v in value]
     return value
 
@@ -363,6 +366,8 @@ class Store:
         # checkpoint instead of logging any commit over 100 KB, i.e. every exchange.
         self.con.execute(f"SET auto_checkpoint_skip_wal_threshold = {2**62}")
         self.con.execute("SET checkpoint_threshold = '1GB'")
+        # every statement on the hot path is one small insert; parallel scans would only compete with the proxy
+        self.con.execute("SET threads = 1")
         ensure_schema(self.con)
         self._segments: list[Path] = [self.segments_dir / file for (file,) in self.con.execute(f"SELECT file FROM {SEGMENTS_TABLE} ORDER BY segment").fetchall()]
         self._migrate_v1()
@@ -450,8 +455,11 @@ class Store:
             if first is None:
                 self._flush_sessions(con)
                 return
-            batch = [first]
-            while len(batch) < self._batch_max and first.step is None:
+            if first.step is not None:
+                self._run_step(con, first)
+                continue
+            batch, step = [first], None
+            while len(batch) < self._batch_max:
                 try:
                     item = self._queue.get_nowait()
                 except queue.Empty:
@@ -460,13 +468,12 @@ class Store:
                     self._queue.put(None)
                     break
                 if item.step is not None:
-                    self._queue.put(item)  # steps run alone; the queue keeps no order promise across them
+                    step = item  # runs alone, right after this batch
                     break
                 batch.append(item)
-            if first.step is not None:
-                self._run_step(con, first)
-                continue
             self._commit_batch(con, batch)
+            if step is not None:
+                self._run_step(con, step)
             unflushed_batches += 1
             # session counters follow the replies, when the queue is idle (or every 8 batches under load)
             if self._queue.empty() or unflushed_batches >= 8:
@@ -613,18 +620,30 @@ class Store:
         self._install_segment(con, number, self._write_segment(con, number))
 
     def _compact_loop(self) -> None:
+        # compaction yields to the proxy: DuckDB runs it on this thread alone (threads=1, set at open), niced
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        except (AttributeError, OSError):
+            pass
         con = self.con.cursor()
         while True:
             number = self._compactions.get()
             if number is None:
                 return
+            started = time.perf_counter()
             try:
                 rows = self._write_segment(con, number)
+                written = time.perf_counter()
                 self._call_writer(_Pending(step=lambda writer, number=number, rows=rows: self._install_segment(writer, number, rows)))
             except Exception:  # noqa: BLE001 - the journal stays (and stays in the view); compacted again at the next open
                 log.exception(f"polar-mitm: could not compact {journal_table(number)}")
                 continue
-            _checkpoint_soon(con)
+            installed = time.perf_counter()
+            checkpointed = _checkpoint_soon(con)
+            log.info(
+                f"polar-mitm: segment {number:06d}: {rows} exchanges written in {1000 * (written - started):.0f} ms, installed in "
+                f"{1000 * (installed - written):.0f} ms, {'checkpoint' if checkpointed else 'no checkpoint'} in {1000 * (time.perf_counter() - installed):.0f} ms"
+            )
 
     def _migrate_v1(self) -> None:
         """Schema 1 kept `exchanges` as a table: it becomes the first segment."""
@@ -713,7 +732,8 @@ def write_parquet(con: duckdb.DuckDBPyConnection, select: str, path: Path) -> No
     """Write a segment durably: to a temporary name, fsynced, then renamed (a segment file is whole or absent)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(path.name + ".tmp")
-    con.execute(f"COPY ({select}) TO {_quote(str(temporary))} (FORMAT parquet, COMPRESSION zstd)")
+    # lz4: about half zstd's CPU here (token ids are random-looking integers), in files ~1.5x the size
+    con.execute(f"COPY ({select}) TO {_quote(str(temporary))} (FORMAT parquet, COMPRESSION lz4_raw)")
     _fsync(temporary)
     os.replace(temporary, path)
     _fsync(path.parent)

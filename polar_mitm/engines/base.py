@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import aiohttp
@@ -36,7 +37,47 @@ def _encode(value: dict[str, Any]) -> tuple[str, bool]:
         return json.dumps(value, ensure_ascii=False, separators=(",", ":")), False  # non-string keys, ints beyond 64 bits
 
 
+class TokenIds(Sequence[int]):
+    """Prompt token ids left as their JSON text until someone reads them.
+
+    A long prompt's ids are most of an engine reply (14k ids: ~90 KB), and the gateway only hands them to the
+    store, which records where they are in the reply's text instead of a second copy. Parsing them into Python
+    ints was the largest single cost on the event loop; now it happens only if something reads them.
+    """
+
+    __slots__ = ("source", "start", "end", "_ids")
+
+    def __init__(self, source: str, start: int, end: int):
+        self.source, self.start, self.end = source, start, end  # source[start:end] is the array, brackets included
+        self._ids: list[int] | None = None
+
+    def ids(self) -> list[int]:
+        if self._ids is None:
+            self._ids = orjson.loads(self.source[self.start : self.end])
+        return self._ids
+
+    def __len__(self) -> int:
+        if self._ids is not None:
+            return len(self._ids)
+        return 0 if not self.source[self.start + 1 : self.end - 1].strip() else self.source.count(",", self.start, self.end) + 1
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.ids()[index]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.ids())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and self.ids() == list(other)
+
+    def __repr__(self) -> str:
+        return f"TokenIds({self.ids()!r})"
+
+
 def _decode(text: str) -> Any:
+    lazy = _decode_with_lazy_prompt_ids(text)
+    if lazy is not None:
+        return lazy
     strict = True
     try:
         # orjson: ~2.5x faster on replies that are mostly token-id arrays (the decode was a fifth of the event loop)
@@ -45,6 +86,36 @@ def _decode(text: str) -> Any:
         value = json.loads(text)  # what orjson refuses and json accepts (NaN, lone surrogates, huge ints)
         strict = False
     return WireJSON(value, text, strict) if isinstance(value, dict) else value
+
+
+PROMPT_IDS_KEY = '"prompt_token_ids"'
+
+
+def _decode_with_lazy_prompt_ids(text: str) -> WireJSON | None:
+    """Parse a reply with its prompt-id array left out, then put it back as TokenIds; None if that is not safe."""
+    key = text.find(PROMPT_IDS_KEY)
+    # a key inside a string value would be escaped (\"), so a single occurrence is a real key
+    if key < 0 or text.find(PROMPT_IDS_KEY, key + 1) >= 0:
+        return None
+    start = text.find("[", key)
+    end = text.find("]", start) + 1
+    if start < 0 or end <= 0 or text[key + len(PROMPT_IDS_KEY) : start].strip() != ":" or text.find("[", start + 1, end) >= 0:
+        return None
+    try:
+        value = orjson.loads(text[:start] + "[]" + text[end:])
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(value, dict):
+        return None
+    ids = TokenIds(text, start, end)
+    choices = value.get("choices")
+    if value.get("prompt_token_ids") == []:  # vLLM
+        value["prompt_token_ids"] = ids
+    elif isinstance(choices, list) and choices and isinstance(choices[0], dict) and choices[0].get("prompt_token_ids") == []:  # SGLang
+        choices[0]["prompt_token_ids"] = ids
+    else:
+        return None
+    return WireJSON(value, text, True)
 
 
 class Engine:
