@@ -451,7 +451,14 @@ class Store:
         con = self.con.cursor()
         unflushed_batches = 0
         while True:
-            first = self._queue.get()
+            try:
+                # session counters wait for a quiet moment: flushing right away held the GIL just as the event loop
+                # was woken to send the reply
+                first = self._queue.get(timeout=0.005 if self._session_counts else None)
+            except queue.Empty:
+                self._flush_sessions(con)
+                unflushed_batches = 0
+                continue
             if first is None:
                 self._flush_sessions(con)
                 return
@@ -475,8 +482,8 @@ class Store:
             if step is not None:
                 self._run_step(con, step)
             unflushed_batches += 1
-            # session counters follow the replies, when the queue is idle (or every 8 batches under load)
-            if self._queue.empty() or unflushed_batches >= 8:
+            # session counters follow the replies: after 5 ms without new rows, or every 8 batches under load
+            if unflushed_batches >= 8:
                 self._flush_sessions(con)
                 unflushed_batches = 0
             if self._journal_rows >= self.segment_rows:
