@@ -557,8 +557,9 @@ def ingest_worker(db: str, seconds: float) -> None:
         return time.perf_counter() - t0
 
     elapsed = asyncio.run(main())
-    size = Path(db).stat().st_size
     store.close()
+    # the DuckDB file and, since the journal store, its Parquet segments beside it
+    size = Path(db).stat().st_size + sum(f.stat().st_size for f in Path(db + ".segments").glob("*") if f.is_file())
     print(json.dumps({"rate": count / elapsed, "exchanges": count, "group_commits": store.commits, "db_mb": size / 2**20, "tokens": tokens}))
 
 

@@ -138,19 +138,9 @@ BODY_STRUCTURE = json.dumps({**{name: _record_type(EXCHANGE_COLUMNS[name]) for n
 DOUBLE_LISTS = {name for name, kind in EXCHANGE_COLUMNS.items() if _base(kind) == "DOUBLE[]"}
 
 
-_ARROW_TYPES = {
-    "VARCHAR": pa.string(),
-    "JSON": pa.string(),
-    "INTEGER": pa.int32(),
-    "BIGINT": pa.int64(),
-    "BOOLEAN": pa.bool_(),
-    "DOUBLE": pa.float64(),
-    "TIMESTAMPTZ": pa.timestamp("us", tz="UTC"),
-    "BLOB": pa.binary(),
-}
-# exchange rows reach DuckDB as one Arrow table per group commit: one statement for the batch instead of one per row
+_ARROW_TYPES = {"VARCHAR": pa.string(), "INTEGER": pa.int32(), "TIMESTAMPTZ": pa.timestamp("us", tz="UTC"), "BLOB": pa.binary()}
+# a group commit's rows reach DuckDB as one Arrow table: one statement for the batch instead of one per row
 JOURNAL_ARROW_SCHEMA = pa.schema([(name, _ARROW_TYPES[kind]) for name, kind in JOURNAL_COLUMNS.items()])
-
 SESSION_ARROW_SCHEMA = pa.schema([(name, _ARROW_TYPES[_base(SESSION_COLUMNS[name])]) for name in ("session_id", "created_at", "last_seen_at", "n_exchanges", "harness")])
 
 # an UPDATE plus an INSERT of the sessions not there yet: DuckDB's INSERT ... ON CONFLICT DO UPDATE cost ~3x more
