@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/assemble_bench.py [--sessions 10000] [--turns 30] [--db /tmp/assemble-bench.duckdb]
 
-The store has the real schema (polar_mitm.store) and is filled directly with DuckDB, not through a gateway.
+The store has the real schema (polar_mitm.store), filled with store.add_segment (Parquet segments), not through a gateway.
 Each session is an agent loop shaped like a harness run: a 400-token system prompt + tools, then `turns`
 calls, each sampling 40 tokens (the last one an end-of-turn token) and getting a 60-token tool result.
 Besides the main lineage every session has a side call (a title request after turn 1) and an SDK retry
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import tempfile
 import time
 import uuid
@@ -98,11 +99,14 @@ def build_store(path: Path, sessions: int, turns: int, seed: int = 0) -> None:
     con.close()
     store.Store(path).close()  # the exchanges view over the segments
     con = duckdb.connect(str(path))
-    con.execute(
-        "INSERT INTO sessions (session_id, n_exchanges, task_id, status, reward) "
-        "SELECT session_id, count(*), 'task-' || (hash(session_id) % 500), 'completed', (hash(session_id) % 7) / 6.0 FROM exchanges GROUP BY session_id"
-    )
+    # the Store counted the sessions from the exchanges when it opened the store; tasks and rewards added here
+    con.execute("UPDATE sessions SET task_id = 'task-' || (hash(session_id) % 500), status = 'completed', reward = (hash(session_id) % 7) / 6.0")
     con.close()
+
+
+def store_bytes(db: Path) -> int:
+    """The DuckDB file and its Parquet segments."""
+    return db.stat().st_size + sum(f.stat().st_size for f in store.segments_dir(db).glob("*") if f.is_file())
 
 
 def measure(db: Path, builder: str, tokenizer: str | None, out_dir: Path, lenient: bool = False) -> dict:
@@ -138,14 +142,12 @@ def main() -> None:
         build_store(db, args.sessions, args.turns)
         print(f"built synthetic store {db} in {time.perf_counter() - started:.1f}s", flush=True)
     size = store.query_dicts(db, "SELECT count(DISTINCT session_id) AS sessions, count(*) AS exchanges, sum(len(prompt_token_ids) + len(completion_token_ids)) AS tokens FROM exchanges")[0]
-    print(f"SYNTHETIC store: {size['sessions']} sessions, {size['exchanges']} exchanges, {size['tokens']:,} exchange tokens, {db.stat().st_size / 2**30:.2f} GiB", flush=True)
+    print(f"SYNTHETIC store: {size['sessions']} sessions, {size['exchanges']} exchanges, {size['tokens']:,} exchange tokens, {store_bytes(db) / 2**30:.2f} GiB", flush=True)
     for name in args.builders.split(","):
         lenient = name == "prefix_merging_lenient"
         result = measure(db, "prefix_merging" if lenient else name, args.tokenizer, work, lenient=lenient)
         print(json.dumps(result), flush=True)
-    if args.db is None:
-        db.unlink()
-    work.rmdir()
+    shutil.rmtree(work)  # a --db store is kept: it is not in `work`
 
 
 if __name__ == "__main__":

@@ -591,7 +591,7 @@ class Store:
 
     def _write_segment(self, con: duckdb.DuckDBPyConnection, number: int) -> int:
         """Copy journal `number` (no longer written to) into its Parquet segment; returns the rows copied."""
-        rows = con.execute(f"SELECT count(*) FROM {journal_table(number)}").fetchone()[0]
+        rows = con.execute(f"SELECT count(*) FROM {journal_table(number)}").fetchall()[0][0]
         if rows:
             write_parquet(con, f"SELECT {JOURNAL_SELECT} FROM {journal_source(number)}", self.segments_dir / f"{number:06d}.parquet")
         return rows
@@ -644,12 +644,12 @@ class Store:
 
     def _migrate_v1(self) -> None:
         """Schema 1 kept `exchanges` as a table: it becomes the first segment."""
-        is_table = self.con.execute("SELECT count(*) FROM duckdb_tables() WHERE schema_name = 'main' AND table_name = 'exchanges'").fetchone()[0]
+        is_table = self.con.execute("SELECT count(*) FROM duckdb_tables() WHERE schema_name = 'main' AND table_name = 'exchanges'").fetchall()[0][0]
         if not is_table:
             return
         number = max([int(p.stem) for p in self._segments if p.stem.isdigit()], default=0) + 1
         path = self.segments_dir / f"{number:06d}.parquet"
-        rows = self.con.execute("SELECT count(*) FROM exchanges").fetchone()[0]
+        rows = self.con.execute("SELECT count(*) FROM exchanges").fetchall()[0][0]
         if rows:
             columns = {r[0] for r in self.con.execute("SELECT column_name FROM information_schema.columns WHERE table_name = 'exchanges'").fetchall()}
             select = ", ".join(f"CAST({n} AS {_base(k)}) AS {n}" if n in columns else f"CAST(NULL AS {_base(k)}) AS {n}" for n, k in EXCHANGE_COLUMNS.items())
@@ -760,7 +760,7 @@ def add_segment(con: duckdb.DuckDBPyConnection, db_path: str | os.PathLike[str],
     """Bulk-load exchange rows (an Arrow table, any subset of the columns) as one segment of a store no Store has open."""
     present = set(rows.column_names)
     select = ", ".join(f"CAST({n} AS {_base(k)}) AS {n}" if n in present else f"CAST(NULL AS {_base(k)}) AS {n}" for n, k in EXCHANGE_COLUMNS.items())
-    number = con.execute(f"SELECT coalesce(max(segment), 0) + 1 FROM {SEGMENTS_TABLE}").fetchone()[0]
+    number = con.execute(f"SELECT coalesce(max(segment), 0) + 1 FROM {SEGMENTS_TABLE}").fetchall()[0][0]
     folder = segments_dir(db_path)
     con.register("polar_bulk_rows", rows)
     try:
