@@ -507,8 +507,7 @@ class Store:
                 con.execute("COMMIT")
             self.commits += 1
         except Exception:
-            if len(batch) > 1 or batch[0].row is None:
-                _rollback(con)
+            _rollback(con)
             # one bad row must not fail its neighbours: retry each alone
             for item in batch:
                 try:
