@@ -6,10 +6,11 @@ is answered by the gateway itself over a loopback control endpoint named in `<db
 
 Layout. `exchanges` is a view over two kinds of storage, with the contract's column types either way:
 
-- journal tables (`exchange_journal_NNNNNN`): where each exchange is committed before its reply. Token ids and
-  logprobs are kept there as JSON array text, because DuckDB writes a list column's whole uncheckpointed data
-  into the WAL again on every commit (measured on 1.3 to 2.0: the Nth single-row commit of a 14k-id array
-  logs N x 56 KB), which made each commit slower than the last until a checkpoint; text is logged once.
+- journal tables (`exchange_journal_NNNNNN`): where each exchange is committed before its reply, as six
+  columns: the four live SQL filters on most, then the other fields in two JSON records (see JOURNAL_COLUMNS).
+  No list columns there: DuckDB writes a list column's whole uncheckpointed data into the WAL again on every
+  commit (measured on 1.3 to 2.0: the Nth single-row commit of a 14k-id array logs N x 56 KB), which made each
+  commit slower than the last until a checkpoint; a JSON record is logged once.
 - segments (`<db>.segments/NNNNNN.parquet`, listed in `exchange_segments`): immutable Parquet files with
   INTEGER[] / DOUBLE[] columns. When a journal reaches `segment_rows` rows the writer starts a new one, and a
   compactor thread copies the full journal into a segment (fsynced, then renamed), after which the writer drops
@@ -28,7 +29,7 @@ import queue
 import re
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -210,7 +211,22 @@ def journal_source(number: int) -> str:
     )
 
 
-SEGMENT_SELECT = ", ".join(f"CAST({name} AS {_base(kind)}) AS {name}" for name, kind in EXCHANGE_COLUMNS.items())
+def _contract_select(present: Collection[str] | None = None) -> str:
+    """Every exchange column with its contract type; those not in `present` (when given) as typed NULLs."""
+    return ", ".join(
+        f"CAST({name if present is None or name in present else 'NULL'} AS {_base(kind)}) AS {name}" for name, kind in EXCHANGE_COLUMNS.items()
+    )
+
+
+SEGMENT_SELECT = _contract_select()
+
+
+def segment_file(number: int) -> str:
+    return f"{number:06d}.parquet"
+
+
+def _register_segment(con: duckdb.DuckDBPyConnection, number: int, rows: int) -> None:
+    con.execute(f"INSERT INTO {SEGMENTS_TABLE} VALUES (?, ?, ?, ?)", [number, segment_file(number), rows, now()])
 
 
 def exchanges_view_sql(segment_files: list[Path], journals: list[int]) -> str:
@@ -592,17 +608,17 @@ class Store:
         """Copy journal `number` (no longer written to) into its Parquet segment; returns the rows copied."""
         rows = con.execute(f"SELECT count(*) FROM {journal_table(number)}").fetchall()[0][0]
         if rows:
-            write_parquet(con, f"SELECT {JOURNAL_SELECT} FROM {journal_source(number)}", self.segments_dir / f"{number:06d}.parquet")
+            write_parquet(con, f"SELECT {JOURNAL_SELECT} FROM {journal_source(number)}", self.segments_dir / segment_file(number))
         return rows
 
     def _install_segment(self, con: duckdb.DuckDBPyConnection, number: int, rows: int) -> None:
         """Swap journal `number` for its segment in one transaction: the rows are never in both or in neither."""
-        segments = self._segments + ([self.segments_dir / f"{number:06d}.parquet"] if rows else [])
+        segments = self._segments + ([self.segments_dir / segment_file(number)] if rows else [])
         journals = [j for j in self._journals if j != number]
         con.execute("BEGIN TRANSACTION")
         try:
             if rows:
-                con.execute(f"INSERT INTO {SEGMENTS_TABLE} VALUES (?, ?, ?, ?)", [number, f"{number:06d}.parquet", rows, now()])
+                _register_segment(con, number, rows)
             self._write_view(con, segments, journals)
             con.execute(f"DROP TABLE {journal_table(number)}")
             con.execute("COMMIT")
@@ -646,20 +662,18 @@ class Store:
         is_table = self.con.execute("SELECT count(*) FROM duckdb_tables() WHERE schema_name = 'main' AND table_name = 'exchanges'").fetchall()[0][0]
         if not is_table:
             return
-        number = max([int(p.stem) for p in self._segments if p.stem.isdigit()], default=0) + 1
-        path = self.segments_dir / f"{number:06d}.parquet"
+        number = _next_segment(self.con)
         rows = self.con.execute("SELECT count(*) FROM exchanges").fetchall()[0][0]
         if rows:
             columns = {r[0] for r in self.con.execute("SELECT column_name FROM information_schema.columns WHERE table_name = 'exchanges'").fetchall()}
-            select = ", ".join(f"CAST({n} AS {_base(k)}) AS {n}" if n in columns else f"CAST(NULL AS {_base(k)}) AS {n}" for n, k in EXCHANGE_COLUMNS.items())
-            write_parquet(self.con, f"SELECT {select} FROM exchanges", path)
+            write_parquet(self.con, f"SELECT {_contract_select(columns)} FROM exchanges", self.segments_dir / segment_file(number))
         self.con.execute("BEGIN TRANSACTION")
         if rows:
-            self.con.execute(f"INSERT INTO {SEGMENTS_TABLE} VALUES (?, ?, ?, ?)", [number, path.name, rows, now()])
+            _register_segment(self.con, number, rows)
         self.con.execute("DROP TABLE exchanges")
         self.con.execute("COMMIT")
         if rows:
-            self._segments.append(path)
+            self._segments.append(self.segments_dir / segment_file(number))
 
     # -- reads (any thread)
     def query(self, sql: str, params: list[Any] | None = None) -> tuple[list[str], list[tuple[Any, ...]]]:
@@ -757,16 +771,17 @@ def _checkpoint_soon(con: duckdb.DuckDBPyConnection, attempts: int = 2000) -> bo
 
 def add_segment(con: duckdb.DuckDBPyConnection, db_path: str | os.PathLike[str], rows: pa.Table) -> None:
     """Bulk-load exchange rows (an Arrow table, any subset of the columns) as one segment of a store no Store has open."""
-    present = set(rows.column_names)
-    select = ", ".join(f"CAST({n} AS {_base(k)}) AS {n}" if n in present else f"CAST(NULL AS {_base(k)}) AS {n}" for n, k in EXCHANGE_COLUMNS.items())
-    number = con.execute(f"SELECT coalesce(max(segment), 0) + 1 FROM {SEGMENTS_TABLE}").fetchall()[0][0]
-    folder = segments_dir(db_path)
+    number = _next_segment(con)
     con.register("polar_bulk_rows", rows)
     try:
-        write_parquet(con, f"SELECT {select} FROM polar_bulk_rows", folder / f"{number:06d}.parquet")
+        write_parquet(con, f"SELECT {_contract_select(rows.column_names)} FROM polar_bulk_rows", segments_dir(db_path) / segment_file(number))
     finally:
         con.unregister("polar_bulk_rows")
-    con.execute(f"INSERT INTO {SEGMENTS_TABLE} VALUES (?, ?, ?, ?)", [number, f"{number:06d}.parquet", rows.num_rows, now()])
+    _register_segment(con, number, rows.num_rows)
+
+
+def _next_segment(con: duckdb.DuckDBPyConnection) -> int:
+    return con.execute(f"SELECT coalesce(max(segment), 0) + 1 FROM {SEGMENTS_TABLE}").fetchall()[0][0]
 
 
 def _insert_journal_rows(con: duckdb.DuckDBPyConnection, rows: list[dict[str, Any]], table: str) -> None:
