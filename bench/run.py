@@ -78,7 +78,7 @@ class Plan:
 
 
 QUICK = Plan(rounds=3, requests={1: 8, 8: 24, 32: 64}, batch_cap_s=2.5, throughput_rounds=2, throughput_seconds=2.5, rss_seconds=2.0, ingest_seconds=6.0, engine_pairs=2)
-FULL = Plan(rounds=8, requests={1: 20, 8: 48, 32: 128}, batch_cap_s=20.0, throughput_rounds=3, throughput_seconds=6.0, rss_seconds=5.0, ingest_seconds=20.0, engine_pairs=4)
+FULL = Plan(rounds=8, requests={1: 50, 8: 48, 32: 128}, batch_cap_s=20.0, throughput_rounds=3, throughput_seconds=6.0, rss_seconds=5.0, ingest_seconds=20.0, engine_pairs=4)
 
 
 # -- processes ---------------------------------------------------------------------------------------------
