@@ -43,6 +43,8 @@ class PolarAddon:
         self.engine: Engine | None = None
         self.secret: bytes = b""
         self.sessions_by_connection: weakref.WeakKeyDictionary[Any, tuple[str, str] | None] = weakref.WeakKeyDictionary()
+        # flow -> (its row's commit, its dialect): the reply waits in the response hook, see _exchange
+        self.commits: weakref.WeakKeyDictionary[http.HTTPFlow, tuple[asyncio.Future[None], Any]] = weakref.WeakKeyDictionary()
         self.model_map: list[tuple[str, str | None]] = []
         self.announced: Path | None = None
         self.engine_hook: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any] | None] | None = None
@@ -232,16 +234,24 @@ class PolarAddon:
         status_code, content_type, body, body_json = reply
         row.update(http_status=status_code, response_body=body_json, ended_at=now())
         row.setdefault("status", "ok")
+        # The reply is made now but leaves only once the row is durable: mitmproxy sends nothing before every
+        # addon's response hook has returned, and ours waits for the commit. Meanwhile mitmproxy's own handling of
+        # the reply (its responseheaders and response hooks) runs alongside the DuckDB commit, not after it.
+        self.commits[flow] = (self.store.submit_exchange(row), dialect)
+        flow.response = http.Response.make(status_code, body, _reply_headers(content_type, row["exchange_id"], session_id))
+
+    async def response(self, flow: http.HTTPFlow) -> None:
+        pending = self.commits.pop(flow, None)
+        if pending is None:
+            return
+        committed, dialect = pending
         try:
-            await self.store.commit_exchange(row)
+            await committed
         except Exception as error:  # noqa: BLE001 - never reply without a committed row
             log.exception("polar: could not commit exchange")
             status_code, content_type, body, _ = self._error(dialect, DialectError(500, "store_error", f"polar-mitm could not record the exchange: {error}"))
-        flow.response = http.Response.make(
-            status_code,
-            body,
-            {"content-type": content_type, "x-polar-exchange-id": row["exchange_id"], "x-polar-session-id": session_id, **({"cache-control": "no-cache"} if content_type.startswith("text/event-stream") else {})},
-        )
+            assert flow.response is not None
+            flow.response = http.Response.make(status_code, body, _reply_headers(content_type, flow.response.headers["x-polar-exchange-id"], flow.response.headers["x-polar-session-id"]))
 
     @staticmethod
     def _record_request(flow: http.HTTPFlow, row: dict[str, Any], raw_body: bytes, query: list[tuple[str, str]]) -> None:
@@ -324,6 +334,13 @@ class PolarAddon:
     def _error(dialect: Any, error: DialectError) -> Reply:
         body_json = dialect.error_body(error)
         return error.status, "application/json", json.dumps(body_json).encode(), body_json
+
+
+def _reply_headers(content_type: str, exchange_id: str, session_id: str) -> dict[str, str]:
+    headers = {"content-type": content_type, "x-polar-exchange-id": exchange_id, "x-polar-session-id": session_id}
+    if content_type.startswith("text/event-stream"):
+        headers["cache-control"] = "no-cache"
+    return headers
 
 
 def _proxy_auth_required() -> http.Response:
