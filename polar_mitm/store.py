@@ -416,10 +416,6 @@ class Store:
     # -- writes
     async def commit_exchange(self, row: dict[str, Any]) -> None:
         """Commit one exchange row; returns only once it is durable in DuckDB."""
-        await self.submit_exchange(row)
-
-    def submit_exchange(self, row: dict[str, Any]) -> asyncio.Future[None]:
-        """Queue one exchange row for commit; the future resolves once it is durable in DuckDB (call on the loop)."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
 
@@ -436,7 +432,7 @@ class Store:
 
         # the row is converted in the writer thread, in bulk: the event loop only queues it
         self._queue.put(_Pending(row=row, done=done))
-        return future
+        await future
 
     def execute_write(self, sql: str, params: list[Any] | None = None) -> None:
         """Run one write statement through the writer thread (serialised with exchange commits)."""

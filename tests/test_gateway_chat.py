@@ -310,9 +310,9 @@ def test_split_reasoning_round_trip(make_gateway, session_id: str) -> None:
 
 
 def test_a_failed_commit_is_answered_500_never_200(tmp_path, engine_url: str) -> None:
-    """The reply waits in the response hook for its row's commit; if DuckDB refuses the row, the harness gets a
-    500 in the provider's shape instead of the model's answer (run in-process: the failure is provoked by dropping
-    the journal table the writer appends to, which no other process could do to a running gateway's store)."""
+    """The reply is made only after its row's commit; if DuckDB refuses the row, the harness gets a 500 in the
+    provider's shape instead of the model's answer. Run in-process: the failure is provoked by dropping the journal
+    table the writer appends to, which no other process could do to a running gateway's store."""
     import asyncio
 
     from mitmproxy import http
@@ -321,19 +321,14 @@ def test_a_failed_commit_is_answered_500_never_200(tmp_path, engine_url: str) ->
 
     from polar_mitm.gateway.addon import PolarAddon
 
-    def chat_flow() -> http.HTTPFlow:
+    async def exchange(addon: PolarAddon) -> http.Response:
         flow = tflow.tflow()
         body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
         flow.request = http.Request.make("POST", "https://api.openai.com/v1/chat/completions", json.dumps(body), {"content-type": "application/json"})
-        return flow
-
-    async def exchange(addon: PolarAddon) -> http.HTTPFlow:
-        flow = chat_flow()
         addon.requestheaders(flow)
         await addon.request(flow)
-        assert flow.response is not None and flow.response.status_code == 200  # made, not yet sent
-        await addon.response(flow)  # mitmproxy sends the reply only after this returns
-        return flow
+        assert flow.response is not None
+        return flow.response
 
     async def main() -> None:
         addon = PolarAddon()
@@ -341,15 +336,15 @@ def test_a_failed_commit_is_answered_500_never_200(tmp_path, engine_url: str) ->
             tctx.configure(addon, polar_upstream=engine_url, polar_db=str(tmp_path / "store.duckdb"), confdir=str(tmp_path / "confdir"))
             try:
                 ok = await exchange(addon)
-                assert ok.response.status_code == 200 and ok.response.json()["choices"][0]["message"]["role"] == "assistant"
-                assert addon.store.query("SELECT status FROM exchanges WHERE exchange_id = ?", [ok.response.headers["x-polar-exchange-id"]])[1] == [("ok",)]
+                assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["role"] == "assistant"
+                assert addon.store.query("SELECT status FROM exchanges WHERE exchange_id = ?", [ok.headers["x-polar-exchange-id"]])[1] == [("ok",)]
                 (journal,) = [name for (name,) in addon.store.query("SELECT table_name FROM duckdb_tables() WHERE table_name LIKE 'exchange_journal_%'")[1]]
                 addon.store.con.execute(f"DROP TABLE {journal}")
                 failed = await exchange(addon)
-                assert failed.response.status_code == 500
-                error = failed.response.json()["error"]
+                assert failed.status_code == 500
+                error = failed.json()["error"]
                 assert error["type"] == "server_error" and "could not record the exchange" in error["message"]
-                assert failed.response.headers["x-polar-exchange-id"] != ok.response.headers["x-polar-exchange-id"]
+                assert failed.headers["x-polar-exchange-id"] != ok.headers["x-polar-exchange-id"]
             finally:
                 await addon.done()
 

@@ -6,7 +6,6 @@ call, token ids + logprobs) -> store (committed) -> dialect (the provider's JSON
 
 from __future__ import annotations
 
-import asyncio
 import fnmatch
 import gc
 import json
@@ -32,9 +31,6 @@ from polar_mitm.store import Store, now
 
 log = logging.getLogger("polar_mitm.gateway")
 
-# status, content type, body, and the body as JSON (recorded as response_body)
-Reply = tuple[int, str, bytes, Any]
-
 
 
 class PolarAddon:
@@ -43,8 +39,6 @@ class PolarAddon:
         self.engine: Engine | None = None
         self.secret: bytes = b""
         self.sessions_by_connection: weakref.WeakKeyDictionary[Any, tuple[str, str] | None] = weakref.WeakKeyDictionary()
-        # flow -> (its row's commit, its dialect): the reply waits in the response hook, see _exchange
-        self.commits: weakref.WeakKeyDictionary[http.HTTPFlow, tuple[asyncio.Future[None], Any]] = weakref.WeakKeyDictionary()
         self.model_map: list[tuple[str, str | None]] = []
         self.announced: Path | None = None
         self.engine_hook: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any] | None] | None = None
@@ -197,9 +191,12 @@ class PolarAddon:
     async def _exchange(self, flow: http.HTTPFlow, dialect: Any, path: str) -> None:
         assert self.store is not None
         session_id = flow.metadata.get("polar_session") or session.DEFAULT_SESSION
-        raw_body = flow.request.get_content(strict=False) or b""
+        headers = list(flow.request.headers.items(multi=True))
         query = list(flow.request.query.items(multi=True))
-        user_agent = flow.request.headers.get("user-agent")
+        secrets_seen = redact.secret_values(headers, query)
+        header_map = {name.lower(): value for name, value in headers}
+        user_agent = header_map.get("user-agent")
+        raw_body = flow.request.get_content(strict=False) or b""
         row: dict[str, Any] = {
             "exchange_id": str(uuid.uuid4()),
             "session_id": session_id,
@@ -210,76 +207,45 @@ class PolarAddon:
             "path": path + ("?" + redact.redact_query(flow.request.url.split("?", 1)[1]) if "?" in flow.request.url else ""),
             "harness": session.harness_from_user_agent(user_agent),
             "user_agent": user_agent,
+            "lineage": session.lineage(header_map),
+            "retry_count": _int_or_none(header_map.get("x-stainless-retry-count")),
             "replay": bool(flow.is_replay),
+            "request_headers": redact.redact_headers(headers),
+            "request_body": redact.redact_text(raw_body.decode("utf-8", "replace"), secrets_seen),
             "engine_kind": self.engine.kind if self.engine else None,
             "started_at": now(),
         }
-        serving: asyncio.Task[Reply] | None = None
+        parsed: ParsedRequest | None = None
         try:
             parsed = dialect.parse(raw_body, path, dict(query))
             row.update(model_requested=parsed.model, stream=parsed.stream, ignored_fields=parsed.ignored, normalizations=parsed.normalizations, action=parsed.action)
-            # the engine call starts first (the loop's eager task factory runs it up to the send); the rest of the
-            # row is built while the engine computes, off the exchange's critical path
-            serving = asyncio.ensure_future(self._serve(parsed, dialect, row))
-        except Exception as error:  # noqa: BLE001 - answered in the provider's shape by _failed
-            reply = self._failed(dialect, row, error)
-        self._record_request(flow, row, raw_body, query)
-        if serving is not None:
-            try:
-                reply = await serving
-            except Exception as error:  # noqa: BLE001 - answered in the provider's shape by _failed
-                reply = self._failed(dialect, row, error)
-        if "model_requested" not in row:
+            status_code, content_type, body, body_json = await self._serve(parsed, dialect, row)
+        except DialectError as error:
+            row.update(status="bad_request" if error.status < 500 else "internal_error", error=error.message)
+            status_code, content_type, body, body_json = self._error(dialect, error)
+        except EngineError as error:
+            row.update(status=error.status_class, error=error.message, engine_response=error.engine_body)
+            status_code, content_type, body, body_json = self._error(dialect, DialectError(error.http_status, error.status_class, error.message))
+        except Exception as error:  # noqa: BLE001 - a bug must still answer in the provider's shape, and be recorded
+            log.exception("polar: internal error")
+            row.update(status="internal_error", error=f"{type(error).__name__}: {error}")
+            status_code, content_type, body, body_json = self._error(dialect, DialectError(500, "internal_error", f"polar-mitm internal error: {type(error).__name__}: {error}"))
+        if parsed is None and "model_requested" not in row:
             row["model_requested"] = _peek_model(raw_body, path)
-        status_code, content_type, body, body_json = reply
         row.update(http_status=status_code, response_body=body_json, ended_at=now())
         row.setdefault("status", "ok")
-        # The reply is made now but leaves only once the row is durable: mitmproxy sends nothing before every
-        # addon's response hook has returned, and ours waits for the commit. Meanwhile mitmproxy's own handling of
-        # the reply (its responseheaders and response hooks) runs alongside the DuckDB commit, not after it.
-        self.commits[flow] = (self.store.submit_exchange(row), dialect)
-        flow.response = http.Response.make(status_code, body, _reply_headers(content_type, row["exchange_id"], session_id))
-
-    async def response(self, flow: http.HTTPFlow) -> None:
-        pending = self.commits.pop(flow, None)
-        if pending is None:
-            return
-        committed, dialect = pending
         try:
-            await committed
+            await self.store.commit_exchange(row)
         except Exception as error:  # noqa: BLE001 - never reply without a committed row
             log.exception("polar: could not commit exchange")
             status_code, content_type, body, _ = self._error(dialect, DialectError(500, "store_error", f"polar-mitm could not record the exchange: {error}"))
-            assert flow.response is not None
-            flow.response = http.Response.make(status_code, body, _reply_headers(content_type, flow.response.headers["x-polar-exchange-id"], flow.response.headers["x-polar-session-id"]))
-
-    @staticmethod
-    def _record_request(flow: http.HTTPFlow, row: dict[str, Any], raw_body: bytes, query: list[tuple[str, str]]) -> None:
-        """The request's headers and body for the row, secrets redacted."""
-        headers = list(flow.request.headers.items(multi=True))
-        secrets_seen = redact.secret_values(headers, query)
-        header_map = {name.lower(): value for name, value in headers}
-        row.update(
-            lineage=session.lineage(header_map),
-            retry_count=_int_or_none(header_map.get("x-stainless-retry-count")),
-            request_headers=redact.redact_headers(headers),
-            request_body=redact.redact_text(raw_body.decode("utf-8", "replace"), secrets_seen),
+        flow.response = http.Response.make(
+            status_code,
+            body,
+            {"content-type": content_type, "x-polar-exchange-id": row["exchange_id"], "x-polar-session-id": session_id, **({"cache-control": "no-cache"} if content_type.startswith("text/event-stream") else {})},
         )
 
-    def _failed(self, dialect: Any, row: dict[str, Any], error: Exception) -> Reply:
-        """Record why an exchange failed and answer it in the provider's error shape."""
-        if isinstance(error, DialectError):
-            row.update(status="bad_request" if error.status < 500 else "internal_error", error=error.message)
-            return self._error(dialect, error)
-        if isinstance(error, EngineError):
-            row.update(status=error.status_class, error=error.message, engine_response=error.engine_body)
-            return self._error(dialect, DialectError(error.http_status, error.status_class, error.message))
-        # a bug must still answer in the provider's shape, and be recorded
-        log.error("polar: internal error", exc_info=error)
-        row.update(status="internal_error", error=f"{type(error).__name__}: {error}")
-        return self._error(dialect, DialectError(500, "internal_error", f"polar-mitm internal error: {type(error).__name__}: {error}"))
-
-    async def _serve(self, parsed: ParsedRequest, dialect: Any, row: dict[str, Any]) -> Reply:
+    async def _serve(self, parsed: ParsedRequest, dialect: Any, row: dict[str, Any]) -> tuple[int, str, bytes, Any]:
         if self.engine is None:
             raise EngineError("engine_unreachable", "polar-mitm has no inference engine configured (polar_upstream)", 503)
         engine_model = await self._engine_model(parsed.model)
@@ -331,16 +297,9 @@ class PolarAddon:
         return await self.engine.discover()
 
     @staticmethod
-    def _error(dialect: Any, error: DialectError) -> Reply:
+    def _error(dialect: Any, error: DialectError) -> tuple[int, str, bytes, Any]:
         body_json = dialect.error_body(error)
         return error.status, "application/json", json.dumps(body_json).encode(), body_json
-
-
-def _reply_headers(content_type: str, exchange_id: str, session_id: str) -> dict[str, str]:
-    headers = {"content-type": content_type, "x-polar-exchange-id": exchange_id, "x-polar-session-id": session_id}
-    if content_type.startswith("text/event-stream"):
-        headers["cache-control"] = "no-cache"
-    return headers
 
 
 def _proxy_auth_required() -> http.Response:
