@@ -300,12 +300,13 @@ def test_sdk_retry_does_not_fork(make_gateway, session_id: str, tokenizer) -> No
     hook = Path(__file__).with_name("test_assembler_hooks.py")
     gw = make_gateway("--engine-hook", f"{hook}:slow_first_attempt")
     with proxy_env(gw, session_id):
-        # a short timeout: the slow first attempt of turn 2 times out and the SDK sends it again
-        chat = Conversation(openai.OpenAI(api_key="sk-test-assembler", timeout=2.0, max_retries=2), tokenizer)
+        chat = Conversation(openai.OpenAI(api_key="sk-test-assembler", timeout=120.0, max_retries=2), tokenizer)
         chat.user("Greet me.")
         chat.ask("Hello there")
         chat.user("Again.")
-        chat.ask("Hi again")
+        # a short timeout on this turn only (a slow machine must not make the other turns retry): its slow first
+        # attempt (800 forced tokens, ~5 s here) times out and the SDK sends the same request again
+        chat.ask("Hi again", timeout=2.0)
         chat.user("Once more.")
         chat.ask("Hi")
     deadline = time.monotonic() + 60
