@@ -458,7 +458,7 @@ class Store:
         # exchange rows go in through a connection of their own, without DuckDB's optimizer: there is nothing to
         # optimize in an INSERT of values, and its passes cost ~0.15 ms of each commit (measured, DuckDB 2.0)
         appends = self.con.cursor()
-        appends.execute("SET enable_optimizer = false")
+        appends.execute("SET SESSION enable_optimizer = false")  # SESSION: a plain SET switches it off for every connection
         unflushed_batches = 0
         while True:
             try:

@@ -240,3 +240,18 @@ def test_store_of_schema_1_opens_with_its_rows(tmp_path: Path) -> None:
     assert rows[0]["prompt_token_ids"] == [1, 2, 3] and json.loads(rows[0]["engine_response"]) == {"a": 1} and rows[0]["engine_started_at"] is None
     assert store.query(db, "SELECT n_exchanges FROM sessions WHERE session_id = 'old'")[1][0][0] == 2
     assert store.query(db, "SELECT table_type FROM information_schema.tables WHERE table_name = 'exchanges'")[1][0][0] == "VIEW"
+
+
+def test_live_queries_keep_the_optimizer(tmp_path: Path) -> None:
+    """Exchange rows go in through a connection without DuckDB's optimizer; every other connection keeps it (a plain
+    SET had switched it off for all of them, and every live query over the journal parsed every row's body)."""
+    target = Store(tmp_path / "store.duckdb", segment_rows=10**6)
+    try:
+        rows = [exchange_row(f"s{i % 4}", i // 4 + 1) for i in range(40)]
+        for row in rows:
+            asyncio.run(target.commit_exchange(row))
+        assert target.query("SELECT current_setting('enable_optimizer')")[1] == [(True,)]
+        plan = "\n".join(text for _, text in target.query("EXPLAIN SELECT session_id, count(*) FROM exchanges GROUP BY session_id")[1])
+        assert "json_transform" not in plan  # the bodies a query does not read are not parsed
+    finally:
+        target.close()
