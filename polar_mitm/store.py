@@ -29,7 +29,8 @@ import queue
 import re
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -522,20 +523,16 @@ class Store:
                 # one INSERT is its own transaction: no BEGIN/COMMIT statements to pay for (~0.5 ms at one row)
                 _insert_journal_rows(appends, [item.row for item in batch], journal_table(self._journals[-1]))  # type: ignore[misc]
             else:
-                con.execute("BEGIN TRANSACTION")
-                self._apply(con, batch)
-                con.execute("COMMIT")
+                with _transaction(con):
+                    self._apply(con, batch)
             self.commits += 1
         except Exception:
-            _rollback(con)
             # one bad row must not fail its neighbours: retry each alone
             for item in batch:
                 try:
-                    con.execute("BEGIN TRANSACTION")
-                    self._apply(con, [item])
-                    con.execute("COMMIT")
+                    with _transaction(con):
+                        self._apply(con, [item])
                 except Exception as error:  # noqa: BLE001 - reported to the waiting caller
-                    _rollback(con)
                     if item.done:
                         item.done(error)
                     continue
@@ -577,11 +574,9 @@ class Store:
             if len(counts) == 1 and self._known_sessions.issuperset(counts):
                 _update_sessions(con, counts, self._known_sessions)  # one UPDATE: its own transaction
             else:
-                con.execute("BEGIN TRANSACTION")
-                _update_sessions(con, counts, self._known_sessions)
-                con.execute("COMMIT")
+                with _transaction(con):
+                    _update_sessions(con, counts, self._known_sessions)
         except Exception:  # noqa: BLE001 - kept, and retried with the next flush
-            _rollback(con)
             log.exception("polar-mitm: could not update session counters")
             return
         self._known_sessions.update(counts)
@@ -592,14 +587,9 @@ class Store:
         """Start a new journal; returns the full one, for the compactor. Writer thread (or before it starts)."""
         number = self._next_number
         journals = self._journals + [number]
-        con.execute("BEGIN TRANSACTION")
-        try:
+        with _transaction(con):
             con.execute(f"CREATE TABLE {journal_table(number)} ({', '.join(f'{n} {t}' for n, t in JOURNAL_COLUMNS.items())})")
             self._write_view(con, self._segments, journals)
-            con.execute("COMMIT")
-        except Exception:
-            con.execute("ROLLBACK")
-            raise
         self._next_number += 1
         full, self._journals, self._journal_rows = self._journals, journals, 0
         return full[-1] if full else None
@@ -619,16 +609,11 @@ class Store:
         """Swap journal `number` for its segment in one transaction: the rows are never in both or in neither."""
         segments = self._segments + ([self.segments_dir / segment_file(number)] if rows else [])
         journals = [j for j in self._journals if j != number]
-        con.execute("BEGIN TRANSACTION")
-        try:
+        with _transaction(con):
             if rows:
                 _register_segment(con, number, rows)
             self._write_view(con, segments, journals)
             con.execute(f"DROP TABLE {journal_table(number)}")
-            con.execute("COMMIT")
-        except Exception:
-            con.execute("ROLLBACK")
-            raise
         self._segments, self._journals = segments, journals
 
     def _compact(self, con: duckdb.DuckDBPyConnection, number: int) -> None:
@@ -671,11 +656,10 @@ class Store:
         if rows:
             columns = {r[0] for r in self.con.execute("SELECT column_name FROM information_schema.columns WHERE table_name = 'exchanges'").fetchall()}
             write_parquet(self.con, f"SELECT {_contract_select(columns)} FROM exchanges", self.segments_dir / segment_file(number))
-        self.con.execute("BEGIN TRANSACTION")
-        if rows:
-            _register_segment(self.con, number, rows)
-        self.con.execute("DROP TABLE exchanges")
-        self.con.execute("COMMIT")
+        with _transaction(self.con):
+            if rows:
+                _register_segment(self.con, number, rows)
+            self.con.execute("DROP TABLE exchanges")
         if rows:
             self._segments.append(self.segments_dir / segment_file(number))
 
@@ -813,11 +797,19 @@ def _insert_journal_rows(con: duckdb.DuckDBPyConnection, rows: list[dict[str, An
     con.execute(f"INSERT INTO {table} SELECT * FROM polar_pending_exchanges")
 
 
-def _rollback(con: duckdb.DuckDBPyConnection) -> None:
+@contextmanager
+def _transaction(con: duckdb.DuckDBPyConnection) -> Iterator[None]:
+    """BEGIN ... COMMIT around the block; rolled back (and the error raised again) if the block or COMMIT fails."""
+    con.execute("BEGIN TRANSACTION")
     try:
-        con.execute("ROLLBACK")
-    except duckdb.TransactionException:
-        pass  # no transaction was open (a failed autocommit statement)
+        yield
+        con.execute("COMMIT")
+    except BaseException:
+        try:
+            con.execute("ROLLBACK")
+        except duckdb.TransactionException:
+            pass  # nothing left open to roll back
+        raise
 
 
 def _count_sessions(counts: dict[str, dict[str, Any]], rows: list[dict[str, Any]]) -> None:
@@ -834,16 +826,19 @@ def _count_sessions(counts: dict[str, dict[str, Any]], rows: list[dict[str, Any]
 
 def _update_sessions(con: duckdb.DuckDBPyConnection, counts: dict[str, dict[str, Any]], known: set[str]) -> None:
     """Add counts to the sessions that exist (e.g. recorded by the rollout server), then insert the new ones."""
+    new = not known.issuperset(counts)
     if len(counts) == 1:
         ((session_id, entry),) = counts.items()
         con.execute(_UPDATE_SESSION, [entry["last_seen_at"], entry["n_exchanges"], entry["harness"], session_id])
+        if not new:
+            return
     polar_pending_sessions = pa.table(  # noqa: F841 - read by DuckDB
         {"session_id": list(counts), **{key: [entry[key] for entry in counts.values()] for key in ("created_at", "last_seen_at", "n_exchanges", "harness")}},
         schema=SESSION_ARROW_SCHEMA,
     )
     if len(counts) > 1:
         con.execute(_UPDATE_SESSIONS)
-    if not known.issuperset(counts):
+    if new:
         con.execute(_INSERT_SESSIONS)
 
 

@@ -27,6 +27,7 @@ from polar_mitm.assembler import assemble
 from polar_mitm.assembler.diagnosis import common_prefix, load_tokenizer
 from polar_mitm.assembler.export import store_trajectories, write_parquet
 from polar_mitm.assembler.rewards import EPSILON
+from polar_mitm.local_engine.steering import literal
 from tests.gatewayproc import Gateway, proxy_env
 
 pytestmark = pytest.mark.engine
@@ -54,10 +55,6 @@ def tokenizer():
     found = load_tokenizer(None, "qwen3-tiny")
     assert found is not None, "the local engine's qwen3-tiny model directory (tokenizer.json) is missing"
     return found
-
-
-def literal(text: str) -> str:
-    return re.sub(r"([.^$*+?{}\[\]\\|()])", r"\\\1", text).replace("\n", "\\n")
 
 
 def canonical_bias(tokenizer, text: str, check: bool = True) -> dict[str, int]:
