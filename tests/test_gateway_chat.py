@@ -349,3 +349,25 @@ def test_a_failed_commit_is_answered_500_never_200(tmp_path, engine_url: str) ->
                 await addon.done()
 
     asyncio.run(main())
+
+
+def test_gateway_master_keeps_mitmproxys_safety_checks_and_leaves_out_flow_rewriting(tmp_path) -> None:
+    """The gateway runs mitmproxy with only the addons it needs (each loaded addon is asked about every flow); the
+    ones that keep it safe stay: Block refuses clients from public addresses, TlsConfig makes the certificates."""
+    import asyncio
+
+    from polar_mitm.gateway import server
+    from polar_mitm.gateway.config import GatewayConfig
+
+    async def main() -> None:
+        master = server.make_master(GatewayConfig(upstream="http://127.0.0.1:9/v1", db=tmp_path / "store.duckdb", confdir=str(tmp_path / "confdir")))
+        try:
+            names = {type(addon).__name__ for addon in master.addons.chain}
+            assert {"Block", "TlsConfig", "Proxyserver", "NextLayer", "ErrorCheck", "PolarAddon"} <= names
+            assert not names & {"MapRemote", "MapLocal", "ModifyBody", "ModifyHeaders", "StickyCookie", "AntiCache", "ServerPlayback", "Dumper"}
+            assert master.options.block_global is True
+            assert master.options.connection_strategy == "lazy" and master.options.stream_large_bodies is None
+        finally:
+            master.addons.get("polaraddon").store.close()
+
+    asyncio.run(main())

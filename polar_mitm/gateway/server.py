@@ -7,11 +7,21 @@ import logging
 import signal
 from pathlib import Path
 
+from mitmproxy import master as mitmproxy_master
 from mitmproxy import options
-from mitmproxy.tools.dump import DumpMaster
+from mitmproxy.addons import block, core, disable_h2c, dns_resolver, errorcheck, next_layer, proxyserver, tlsconfig
 
 from polar_mitm.gateway.addon import PolarAddon
 from polar_mitm.gateway.config import GatewayConfig
+
+
+def gateway_addons() -> list:
+    """mitmproxy's addons that a gateway needs: the proxy itself, TLS interception, and its safety checks.
+
+    The rest of mitmdump's 34 (flow rewriting, playback, cookies, export, ...) take options the gateway does not
+    expose and cost every flow ~20 us each just to be asked; mitmweb (--web) keeps them all, for debugging.
+    """
+    return [core.Core(), block.Block(), disable_h2c.DisableH2C(), proxyserver.Proxyserver(), dns_resolver.DnsResolver(), next_layer.NextLayer(), tlsconfig.TlsConfig(), errorcheck.ErrorCheck()]
 
 
 def make_master(config: GatewayConfig):
@@ -21,7 +31,8 @@ def make_master(config: GatewayConfig):
 
         master = WebMaster(opts, with_termlog=True)
     else:
-        master = DumpMaster(opts, with_termlog=config.verbose, with_dumper=False)
+        master = mitmproxy_master.Master(opts, with_termlog=config.verbose)
+        master.addons.add(*gateway_addons())
     master.addons.add(PolarAddon())
     from polar_mitm.gateway import contentview
 
