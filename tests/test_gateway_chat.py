@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -371,3 +372,12 @@ def test_gateway_master_keeps_mitmproxys_safety_checks_and_leaves_out_flow_rewri
             master.addons.get("polaraddon").store.close()
 
     asyncio.run(main())
+
+
+def test_gateway_process_runs_without_mitmproxys_debug_checks(gateway: Gateway, session_id: str) -> None:
+    """`polar-mitm gateway` starts itself again under `python -O` (same pid): mitmproxy's per-flow self-checks
+    live under `if __debug__`; serving is unchanged."""
+    command_line = Path(f"/proc/{gateway.process.pid}/cmdline").read_bytes().split(b"\0")
+    assert command_line[1:5] == [b"-O", b"-m", b"polar_mitm.cli", b"gateway"]
+    body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert _post(gateway, session_id, body).status_code == 200

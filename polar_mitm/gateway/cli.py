@@ -26,7 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--web", action="store_true", help="serve mitmweb's UI too")
     parser.add_argument("--web-port", type=int, default=8081)
     parser.add_argument("-v", "--verbose", action="store_true")
-    parser.set_defaults(func=_gateway)
+    parser.set_defaults(func=_gateway, hosts_proxy=True)
 
 
 def _gateway(args: argparse.Namespace) -> int:

@@ -32,7 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve = commands.add_parser("serve", help="run the rollout HTTP API with its own gateway node")
     serve.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"API port on 127.0.0.1 (default {DEFAULT_PORT})")
     _node_arguments(serve)
-    serve.set_defaults(func=_serve)
+    serve.set_defaults(func=_serve, hosts_proxy=True)
 
     submit = commands.add_parser("submit", help="submit a task file to a running rollout server")
     submit.add_argument("task", type=Path, help="TaskRequest as YAML or JSON")
@@ -43,7 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run = commands.add_parser("run", help="serve + submit + wait for one task file; prints a summary, leaves the store")
     run.add_argument("task", type=Path, help="TaskRequest as YAML or JSON")
     _node_arguments(run, upstream_required=False)
-    run.set_defaults(func=_run)
+    run.set_defaults(func=_run, hosts_proxy=True)
 
 
 def _node_arguments(parser: argparse.ArgumentParser, upstream_required: bool = True) -> None:
