@@ -333,7 +333,7 @@ def _attempts_settled(rows: list[dict]) -> bool:
     if len(rows) < 4:
         return False
     attempts = [r for r in rows if r["request_body"] == rows[1]["request_body"]]
-    return sorted(r["retry_count"] for r in attempts) == list(range(len(attempts))) and any(r["completion_tokens"] >= 400 for r in attempts)
+    return sorted(r["retry_count"] for r in attempts) == list(range(len(attempts))) and any((r["completion_tokens"] or 0) >= 400 for r in attempts)
 
 
 def _one_turn(gw: Gateway, session: str, tokenizer) -> None:

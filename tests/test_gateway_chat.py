@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -314,8 +315,6 @@ def test_a_failed_commit_is_answered_500_never_200(tmp_path, engine_url: str) ->
     """The reply is made only after its row's commit; if DuckDB refuses the row, the harness gets a 500 in the
     provider's shape instead of the model's answer. Run in-process: the failure is provoked by dropping the journal
     table the writer appends to, which no other process could do to a running gateway's store."""
-    import asyncio
-
     from mitmproxy import http
     from mitmproxy.addons import proxyserver
     from mitmproxy.test import taddons, tflow
@@ -355,8 +354,6 @@ def test_a_failed_commit_is_answered_500_never_200(tmp_path, engine_url: str) ->
 def test_gateway_master_keeps_mitmproxys_safety_checks_and_leaves_out_flow_rewriting(tmp_path) -> None:
     """The gateway runs mitmproxy with only the addons it needs (each loaded addon is asked about every flow); the
     ones that keep it safe stay: Block refuses clients from public addresses, TlsConfig makes the certificates."""
-    import asyncio
-
     from polar_mitm.gateway import server
     from polar_mitm.gateway.config import GatewayConfig
 
