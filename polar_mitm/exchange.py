@@ -5,27 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from polar_mitm.errors import DialectError, EngineError
 
-class DialectError(Exception):
-    """A request the gateway refuses; rendered in the shape of the provider the client called."""
-
-    def __init__(self, status: int, kind: str, message: str, param: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.kind = kind
-        self.message = message
-        self.param = param
+__all__ = ["DialectError", "EngineError", "ParsedRequest", "ToolCall", "Completion"]
 
 
-class EngineError(Exception):
-    """The inference engine failed us; `status_class` is what the exchange row records."""
-
-    def __init__(self, status_class: str, message: str, http_status: int, engine_body: Any = None):
-        super().__init__(message)
-        self.status_class = status_class
-        self.message = message
-        self.http_status = http_status
-        self.engine_body = engine_body
 
 
 @dataclass

@@ -29,6 +29,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from polar_mitm import session as sessions
+from polar_mitm.errors import RunError
 from polar_mitm.gateway.config import DEFAULT_CONFDIR
 
 DEFAULT_GATEWAY = "http://127.0.0.1:8080"
@@ -48,8 +49,6 @@ SYSTEM_BUNDLES = (
 )
 
 
-class RunError(Exception):
-    pass
 
 
 def gateway_url(confdir: str | Path, explicit: str | None = None) -> str:

@@ -28,6 +28,8 @@ from collections.abc import Mapping
 from functools import cache
 from pathlib import Path
 
+from polar_mitm.errors import HarnessNotInstalled
+
 NAMES = ("codex", "claude", "qwen", "gemini")
 
 # variables that would point a harness somewhere other than its provider's default host, past the proxy
@@ -40,8 +42,6 @@ BASE_URL_VARIABLES = (
 PLACEHOLDER_API_KEY = "sk-polar-mitm-placeholder"
 
 
-class HarnessNotInstalled(RuntimeError):
-    pass
 
 
 def install_prefix() -> Path:

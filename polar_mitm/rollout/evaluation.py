@@ -14,13 +14,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from polar_mitm.errors import EvaluatorError
 from polar_mitm.gateway.addon import load_hook
 from polar_mitm.rollout.models import Evaluation, Evaluator, TaskRequest
 from polar_mitm.rollout.runtimes import ExecResult, Sandbox, tail
-
-
-class EvaluatorError(RuntimeError):
-    pass
 
 
 @dataclass

@@ -29,13 +29,20 @@ from typing import Any, Protocol
 from pydantic import BaseModel, Field
 
 from polar_mitm import harnesses
-from polar_mitm.store import now
+from polar_mitm.errors import RequestRejected, TaskConflict
 from polar_mitm.rollout.callbacks import CallbackSender
 from polar_mitm.rollout.evaluation import EvaluationContext, evaluate
 from polar_mitm.rollout.models import (
-    Delivery, SessionResult, StageTiming, TaskRequest, TaskResult, TrajectorySummary, UploadStep,
+    Delivery,
+    SessionResult,
+    StageTiming,
+    TaskRequest,
+    TaskResult,
+    TrajectorySummary,
+    UploadStep,
 )
 from polar_mitm.rollout.runtimes import Sandbox, tail
+from polar_mitm.store import now
 
 
 class StageLimits(BaseModel):
@@ -68,12 +75,6 @@ class SessionWork(BaseModel):
 Report = Callable[[SessionResult], None]
 
 
-class RequestRejected(ValueError):
-    """A request no node could run; `loc` names the field, as pydantic's errors do."""
-
-    def __init__(self, loc: tuple[str, ...], message: str):
-        super().__init__(message)
-        self.loc = loc
 
 
 class Node(Protocol):
@@ -309,8 +310,6 @@ class Task:
         )
 
 
-class TaskConflict(ValueError):
-    pass
 
 
 class Scheduler:

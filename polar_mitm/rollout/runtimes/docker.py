@@ -22,10 +22,16 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from polar_mitm import harnesses, run_cli
+from polar_mitm.errors import DockerUnavailable
 from polar_mitm.harnesses import Harness
 from polar_mitm.rollout import relay
 from polar_mitm.rollout.models import Agent, Upload
-from polar_mitm.rollout.runtimes import ExecResult, Sandbox, SandboxSpec, write_home_files
+from polar_mitm.rollout.runtimes import (
+    ExecResult,
+    Sandbox,
+    SandboxSpec,
+    write_home_files,
+)
 
 DEFAULT_WORKDIR = "/workspace"
 HOME = "/home/agent"
@@ -51,8 +57,6 @@ async def _settled(work) -> None:
         raise
 
 
-class DockerUnavailable(RuntimeError):
-    pass
 
 
 def client() -> Any:

@@ -1,0 +1,93 @@
+"""One exception tree for polar-mitm (the bottom of the import graph: this module imports nothing of ours).
+
+Catch `PolarError` to catch everything the project raises on purpose. Classes that used to derive from a
+built-in (`RuntimeError`, `ValueError`) still do, so callers written against those keep working.
+
+    PolarError
+    ├── ConfigError            a bad option or flag value, found before anything is opened
+    ├── DialectError           a request the gateway refuses, rendered in the called provider's shape
+    ├── EngineError            the inference engine failed an exchange; `status_class` goes on the row
+    ├── LocalEngineError       starting/stopping the bundled local engine (EngineBuildError: building it)
+    ├── HarnessNotInstalled    a harness binary is missing
+    ├── RunError               `polar-mitm run` cannot reach or trust its gateway
+    ├── ClientError            a CLI client cannot reach or use its server
+    └── RolloutError           the rollout server: RequestRejected, TaskConflict, EvaluatorError, DockerUnavailable
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class PolarError(Exception):
+    """Base of every exception polar-mitm raises on purpose."""
+
+
+class ConfigError(PolarError, ValueError):
+    """A bad option value; the message names the flag."""
+
+
+class DialectError(PolarError):
+    """A request the gateway refuses; rendered in the shape of the provider the client called."""
+
+    def __init__(self, status: int, kind: str, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+        self.message = message
+        self.param = param
+
+
+class EngineError(PolarError):
+    """The inference engine failed us; `status_class` is what the exchange row records."""
+
+    def __init__(self, status_class: str, message: str, http_status: int, engine_body: Any = None):
+        super().__init__(message)
+        self.status_class = status_class
+        self.message = message
+        self.http_status = http_status
+        self.engine_body = engine_body
+
+
+class LocalEngineError(PolarError, RuntimeError):
+    """The bundled local engine could not be started, found or stopped."""
+
+
+class EngineBuildError(LocalEngineError):
+    """The bundled local engine could not be built."""
+
+
+class HarnessNotInstalled(PolarError, RuntimeError):
+    pass
+
+
+class RunError(PolarError):
+    """`polar-mitm run` cannot find, reach or authenticate to its gateway."""
+
+
+class ClientError(PolarError):
+    """A command-line client cannot reach or use its server."""
+
+
+class RolloutError(PolarError):
+    """Base of the rollout server's errors."""
+
+
+class RequestRejected(RolloutError, ValueError):
+    """A request no node could run; `loc` names the field, as pydantic's errors do."""
+
+    def __init__(self, loc: tuple[str, ...], message: str):
+        super().__init__(message)
+        self.loc = loc
+
+
+class TaskConflict(RolloutError, ValueError):
+    pass
+
+
+class EvaluatorError(RolloutError, RuntimeError):
+    pass
+
+
+class DockerUnavailable(RolloutError, RuntimeError):
+    pass
