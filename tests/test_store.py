@@ -17,16 +17,17 @@ from pathlib import Path
 
 import duckdb
 import orjson
+import pyarrow as pa
 import pytest
 
 from polar_mitm import store
 from polar_mitm.engines.base import WireJSON, _decode
-from polar_mitm.store import Store, now
+from polar_mitm.store import ExchangeRow, Store, now
 
 CONTRACT_TYPES = {name: kind.split()[0].replace("TIMESTAMPTZ", "TIMESTAMP WITH TIME ZONE") for name, kind in store.EXCHANGE_COLUMNS.items()}
 
 
-def exchange_row(session: str, seq: int, prompt_len: int = 2000, rng: random.Random | None = None) -> dict:
+def exchange_row(session: str, seq: int, prompt_len: int = 2000, rng: random.Random | None = None) -> ExchangeRow:
     """A row shaped like the gateway's: the engine reply as its wire text, prompt ids parsed from it."""
     rng = rng or random.Random(seq)
     prompt = [rng.randrange(150_000) for _ in range(prompt_len)]
@@ -67,7 +68,7 @@ def fetched(rows: list[dict]) -> dict[str, dict]:
     return out
 
 
-async def commit_all(target: Store, rows: list[dict], concurrency: int = 8) -> None:
+async def commit_all(target: Store, rows: list[ExchangeRow], concurrency: int = 8) -> None:
     for start in range(0, len(rows), concurrency):
         await asyncio.gather(*(target.commit_exchange(row) for row in rows[start : start + concurrency]))
 
@@ -82,6 +83,7 @@ def test_rows_read_back_the_same_from_journal_and_segments(tmp_path: Path) -> No
         while len(target.query(f"SELECT * FROM {store.SEGMENTS_TABLE}")[1]) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         columns, live = target.query("SELECT * FROM exchanges")
+        arrow = target.arrow("SELECT exchange_id, prompt_token_ids, completion_logprobs FROM exchanges WHERE seq > ?", [0])
         segments = target.query(f"SELECT segment, rows FROM {store.SEGMENTS_TABLE} ORDER BY segment")[1]
         journal_rows = target.query(f"SELECT count(*) FROM {store.journal_table(target._journals[-1])}")[1][0][0]
     finally:
@@ -90,6 +92,12 @@ def test_rows_read_back_the_same_from_journal_and_segments(tmp_path: Path) -> No
     assert sum(n for _, n in segments) >= 32 and journal_rows <= 45 - 32
     expected = {row["exchange_id"]: comparable(row) for row in rows}
     assert fetched([dict(zip(columns, r)) for r in live]) == expected
+    # Store.arrow: the same rows from journal and segments, list columns as Arrow lists
+    assert arrow.schema.field("prompt_token_ids").type == pa.list_(pa.int32()) and arrow.num_rows == 45
+    by_id = {row["exchange_id"]: row for row in arrow.to_pylist()}
+    assert {i: (r["prompt_token_ids"], r["completion_logprobs"]) for i, r in by_id.items()} == {
+        i: (row["prompt_token_ids"], row["completion_logprobs"]) for i, row in expected.items()
+    }
     # closed: every journal became a segment, types are the contract's, values unchanged
     described = dict((name, kind) for name, kind, *_ in store.query(db, "DESCRIBE exchanges")[1])
     assert described == CONTRACT_TYPES

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 from polar_mitm.assembler.records import GroupStats
 from polar_mitm.assembler.source import SessionInfo
+from polar_mitm.store.schema import COMPLETED_STATUSES
 
-COMPLETED_STATUSES = frozenset({"completed", "complete", "success", "succeeded", "done", "ok", "finished"})
 EPSILON = 1e-6
 
 

@@ -27,7 +27,7 @@ from polar_mitm.engines import make_engine
 from polar_mitm.engines.base import Engine
 from polar_mitm.exchange import DialectError, EngineError, ParsedRequest
 from polar_mitm.run_cli import GATEWAY_FILE
-from polar_mitm.store import Store, now
+from polar_mitm.store import ExchangeRow, Store, now
 
 log = logging.getLogger("polar_mitm.gateway")
 
@@ -197,7 +197,7 @@ class PolarAddon:
         header_map = {name.lower(): value for name, value in headers}
         user_agent = header_map.get("user-agent")
         raw_body = flow.request.get_content(strict=False) or b""
-        row: dict[str, Any] = {
+        row: ExchangeRow = {
             "exchange_id": str(uuid.uuid4()),
             "session_id": session_id,
             "seq": self.store.next_seq(session_id),
@@ -245,7 +245,7 @@ class PolarAddon:
             {"content-type": content_type, "x-polar-exchange-id": row["exchange_id"], "x-polar-session-id": session_id, **({"cache-control": "no-cache"} if content_type.startswith("text/event-stream") else {})},
         )
 
-    async def _serve(self, parsed: ParsedRequest, dialect: Any, row: dict[str, Any]) -> tuple[int, str, bytes, Any]:
+    async def _serve(self, parsed: ParsedRequest, dialect: Any, row: ExchangeRow) -> tuple[int, str, bytes, Any]:
         if self.engine is None:
             raise EngineError("engine_unreachable", "polar-mitm has no inference engine configured (polar_upstream)", 503)
         engine_model = await self._engine_model(parsed.model)

@@ -5,6 +5,8 @@ Each view carries its documentation as a DuckDB comment, so `polar-mitm sql --db
 (re)created whenever a process opens the store for writing (the gateway, `polar-mitm assemble`).
 
 "Trajectory material" below means what the assembler trains on: status 'ok', action 'generate', not a replay.
+The views over the assembler's `trajectories` table name it only (schema.TRAJECTORIES); this module imports no
+assembler code, so the store stays the bottom layer.
 """
 
 from __future__ import annotations
@@ -13,11 +15,16 @@ import logging
 from dataclasses import dataclass
 
 import duckdb
+import pyarrow as pa
+
+from polar_mitm.store.schema import (
+    COMPLETED_STATUSES,
+    MATERIAL,
+    TRAJECTORIES,
+    TRAJECTORIES_SCHEMA,
+)
 
 log = logging.getLogger("polar_mitm.views")
-
-TRAJECTORIES = "trajectories"  # written by the assembler (polar_mitm.assembler.export)
-MATERIAL = "status = 'ok' AND coalesce(action, 'generate') = 'generate' AND NOT coalesce(replay, false) AND prompt_token_ids IS NOT NULL"
 
 
 @dataclass(frozen=True)
@@ -27,8 +34,6 @@ class View:
 
 
 def _completed_statuses() -> str:
-    from polar_mitm.assembler.rewards import COMPLETED_STATUSES
-
     return ", ".join(f"'{status}'" for status in sorted(COMPLETED_STATUSES))
 
 
@@ -148,11 +153,7 @@ def create_views(con: duckdb.DuckDBPyConnection) -> None:
 
 
 def _create_empty_trajectories(con: duckdb.DuckDBPyConnection) -> None:
-    import pyarrow as pa
-
-    from polar_mitm.assembler.export import SCHEMA
-
-    con.register("polar_empty_trajectories", pa.Table.from_batches([], schema=SCHEMA))
+    con.register("polar_empty_trajectories", pa.Table.from_batches([], schema=TRAJECTORIES_SCHEMA))
     try:
         con.execute(f"CREATE TABLE {TRAJECTORIES} AS SELECT * FROM polar_empty_trajectories")
     finally:

@@ -1,149 +1,61 @@
-"""The DuckDB store: one row per model exchange, committed before the client gets its reply.
+"""The writer: one Store per DuckDB file, the file's single writer, committing each exchange before its reply.
 
 DuckDB allows one writing process per file. The gateway owns the file while it runs: a single writer
-thread does group commits (the event loop never touches DuckDB), and read-only SQL from other processes
-is answered by the gateway itself over a loopback control endpoint named in `<db>.control.json`.
-
-Layout. `exchanges` is a view over two kinds of storage, with the contract's column types either way:
-
-- journal tables (`exchange_journal_NNNNNN`): where each exchange is committed before its reply, as six
-  columns: the four live SQL filters on most, then the other fields in two JSON records (see JOURNAL_COLUMNS).
-  No list columns there: DuckDB writes a list column's whole uncheckpointed data into the WAL again on every
-  commit (measured on 1.3 to 2.0: the Nth single-row commit of a 14k-id array logs N x 56 KB), which made each
-  commit slower than the last until a checkpoint; a JSON record is logged once.
-- segments (`<db>.segments/NNNNNN.parquet`, listed in `exchange_segments`): immutable Parquet files with
-  INTEGER[] / DOUBLE[] columns. When a journal reaches `segment_rows` rows the writer starts a new one, and a
-  compactor thread copies the full journal into a segment (fsynced, then renamed), after which the writer drops
-  the journal and re-points the view in one transaction. A crash at any point leaves either the journal or the
-  segment registered, never both and never neither; leftover journals are compacted when the store reopens.
+thread does group commits (the event loop never touches DuckDB), a compactor thread turns full journals into
+Parquet segments (see polar_mitm.store.segments), and read-only SQL from other processes is answered by the
+gateway itself over a loopback control endpoint named in `<db>.control.json` (polar_mitm.store.control).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import math
 import os
 import queue
 import re
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import duckdb
-import orjson
 import pyarrow as pa
+
+from polar_mitm.store import control, views
+from polar_mitm.store.records import (
+    JOURNAL_COLUMNS,
+    JOURNAL_PREFIX,
+    insert_journal_rows,
+    journal_table,
+)
+from polar_mitm.store.schema import (
+    ARROW_TYPES,
+    SCHEMA_VERSION,
+    SESSION_COLUMNS,
+    ExchangeRow,
+    base_type,
+    now,
+)
+from polar_mitm.store.segments import (
+    SEGMENTS_TABLE,
+    checkpoint_soon,
+    ensure_schema,
+    migrate_v1,
+    register_segment,
+    segment_file,
+    segments_dir,
+    tables,
+    transaction,
+    write_segment,
+    write_view,
+)
 
 log = logging.getLogger("polar_mitm.store")
 
-SCHEMA_VERSION = 2
-
-EXCHANGE_COLUMNS: dict[str, str] = {
-    "exchange_id": "VARCHAR NOT NULL",
-    "session_id": "VARCHAR NOT NULL",
-    "seq": "INTEGER NOT NULL",
-    "api": "VARCHAR",
-    "action": "VARCHAR",
-    "stream": "BOOLEAN",
-    "status": "VARCHAR NOT NULL",
-    "error": "VARCHAR",
-    "http_status": "INTEGER",
-    "model_requested": "VARCHAR",
-    "model_engine": "VARCHAR",
-    "engine_kind": "VARCHAR",
-    "method": "VARCHAR",
-    "host": "VARCHAR",
-    "path": "VARCHAR",
-    "harness": "VARCHAR",
-    "user_agent": "VARCHAR",
-    "lineage": "JSON",
-    "retry_count": "INTEGER",
-    "replay": "BOOLEAN",
-    "request_headers": "JSON",
-    "request_body": "VARCHAR",
-    "ignored_fields": "VARCHAR[]",
-    "normalizations": "VARCHAR[]",
-    "engine_request": "JSON",
-    "engine_response": "JSON",
-    "response_body": "JSON",
-    "response_stream": "VARCHAR",
-    "prompt_token_ids": "INTEGER[]",
-    "completion_token_ids": "INTEGER[]",
-    "completion_logprobs": "DOUBLE[]",
-    "finish_reason": "VARCHAR",
-    "prompt_tokens": "INTEGER",
-    "completion_tokens": "INTEGER",
-    "started_at": "TIMESTAMPTZ",
-    "engine_started_at": "TIMESTAMPTZ",
-    "engine_ended_at": "TIMESTAMPTZ",
-    "ended_at": "TIMESTAMPTZ",
-}
-
-SESSION_COLUMNS: dict[str, str] = {
-    "session_id": "VARCHAR PRIMARY KEY",
-    "created_at": "TIMESTAMPTZ",
-    "last_seen_at": "TIMESTAMPTZ",
-    "n_exchanges": "INTEGER",
-    "harness": "VARCHAR",
-    "task_id": "VARCHAR",
-    "status": "VARCHAR",
-    "reward": "DOUBLE",
-    "timings": "JSON",
-    "metadata": "JSON",
-    "error": "VARCHAR",
-}
-
-JOURNAL_PREFIX = "exchange_journal_"
-SEGMENTS_TABLE = "exchange_segments"
-EXCHANGES_DOC = (
-    "One row per model exchange, in commit order within a session (seq): the request as received (API keys redacted), "
-    "the engine request and reply as they crossed the wire, prompt and sampled token ids, sampled logprobs, finish "
-    "reason, status and timings. Recent rows come from the journal, older ones from Parquet segments."
-)
-
-
-def _base(kind: str) -> str:
-    return kind.split()[0]
-
-
-JSON_COLUMNS = {name for name, kind in EXCHANGE_COLUMNS.items() if _base(kind) == "JSON"}
-
-# A journal row is six columns: the ones live SQL filters on most, then the other fields as two JSON objects, a
-# small head (scalars, headers) and a body (texts, token ids, logprobs), so a query on the head never parses a
-# body. DuckDB charges ~20 us per column for every INSERT however small, which the reply waits for; the records
-# are parsed back when read (json_transform) and once more when the journal becomes a segment.
-JOURNAL_COLUMNS = {"exchange_id": "VARCHAR", "session_id": "VARCHAR", "seq": "INTEGER", "status": "VARCHAR", "head": "BLOB", "body": "BLOB"}
-BODY_FIELDS = ["request_body", "engine_request", "engine_response", "response_body", "response_stream", "prompt_token_ids", "completion_token_ids", "completion_logprobs"]
-HEAD_FIELDS = [name for name in EXCHANGE_COLUMNS if name not in JOURNAL_COLUMNS and name not in BODY_FIELDS]
-
-
-def _record_type(kind: str) -> Any:
-    """How a field is spelled in a record, as a json_transform structure. JSON columns travel as strings (their
-    text is kept exactly), DOUBLE[] as text DuckDB casts (JSON has no inf or nan)."""
-    base = _base(kind)
-    if base in ("JSON", "DOUBLE[]"):
-        return "VARCHAR"
-    return [base[:-2]] if base.endswith("[]") else base
-
-
-# where in engine_response the prompt ids are, when they are left out of the body (see journal_records)
-PROMPT_IDS_AT = "prompt_token_ids_at"
-HEAD_STRUCTURE = json.dumps({name: _record_type(EXCHANGE_COLUMNS[name]) for name in HEAD_FIELDS}, separators=(",", ":"))
-BODY_STRUCTURE = json.dumps({**{name: _record_type(EXCHANGE_COLUMNS[name]) for name in BODY_FIELDS}, PROMPT_IDS_AT: ["BIGINT"]}, separators=(",", ":"))
-DOUBLE_LISTS = {name for name, kind in EXCHANGE_COLUMNS.items() if _base(kind) == "DOUBLE[]"}
-
-
-_ARROW_TYPES = {"VARCHAR": pa.string(), "INTEGER": pa.int32(), "TIMESTAMPTZ": pa.timestamp("us", tz="UTC"), "BLOB": pa.binary()}
-# a group commit's rows reach DuckDB as one Arrow table: one statement for the batch instead of one per row
-JOURNAL_ARROW_SCHEMA = pa.schema([(name, _ARROW_TYPES[kind]) for name, kind in JOURNAL_COLUMNS.items()])
-SESSION_ARROW_SCHEMA = pa.schema([(name, _ARROW_TYPES[_base(SESSION_COLUMNS[name])]) for name in ("session_id", "created_at", "last_seen_at", "n_exchanges", "harness")])
+SESSION_ARROW_SCHEMA = pa.schema([(name, ARROW_TYPES[base_type(SESSION_COLUMNS[name])]) for name in ("session_id", "created_at", "last_seen_at", "n_exchanges", "harness")])
 
 # an UPDATE plus an INSERT of the sessions not there yet: DuckDB's INSERT ... ON CONFLICT DO UPDATE cost ~3x more
 _UPDATE_SESSIONS = (
@@ -171,183 +83,6 @@ _RECOUNT_SESSIONS = (
 )
 
 
-def now() -> datetime:
-    return datetime.now(timezone.utc)
-
-
-def _quote(text: str) -> str:
-    return "'" + text.replace("'", "''") + "'"
-
-
-def journal_table(number: int) -> str:
-    return f"{JOURNAL_PREFIX}{number:06d}"
-
-
-def segments_dir(db_path: str | os.PathLike[str]) -> Path:
-    return Path(str(db_path) + ".segments")
-
-
-def _from_journal(name: str) -> str:
-    """The contract-typed expression for one column, read from a journal row."""
-    kind = _base(EXCHANGE_COLUMNS[name])
-    if name in JOURNAL_COLUMNS:
-        return f'"{name}"'
-    record = "b" if name in BODY_FIELDS else "h"
-    if name == "prompt_token_ids":
-        from_response = f"json_transform(substr(b.engine_response, b.{PROMPT_IDS_AT}[1], b.{PROMPT_IDS_AT}[2]), '[\"INTEGER\"]')"
-        return f'coalesce(b."{name}", {from_response}) AS "{name}"'
-    if kind in ("JSON", "DOUBLE[]"):
-        return f'CAST({record}."{name}" AS {kind}) AS "{name}"'
-    return f'{record}."{name}" AS "{name}"'
-
-
-JOURNAL_SELECT = ", ".join(_from_journal(name) for name in EXCHANGE_COLUMNS)
-
-
-def journal_source(number: int) -> str:
-    columns = ", ".join(f'"{name}"' for name in JOURNAL_COLUMNS if name not in ("head", "body"))
-    return (
-        f"(SELECT {columns}, json_transform(decode(head), {_quote(HEAD_STRUCTURE)}) AS h, "
-        f"json_transform(decode(body), {_quote(BODY_STRUCTURE)}) AS b FROM {journal_table(number)})"
-    )
-
-
-def _contract_select(present: Collection[str] | None = None) -> str:
-    """Every exchange column with its contract type; those not in `present` (when given) as typed NULLs."""
-    return ", ".join(
-        f"CAST({name if present is None or name in present else 'NULL'} AS {_base(kind)}) AS {name}" for name, kind in EXCHANGE_COLUMNS.items()
-    )
-
-
-SEGMENT_SELECT = _contract_select()
-
-
-def segment_file(number: int) -> str:
-    return f"{number:06d}.parquet"
-
-
-def _register_segment(con: duckdb.DuckDBPyConnection, number: int, rows: int) -> None:
-    con.execute(f"INSERT INTO {SEGMENTS_TABLE} VALUES (?, ?, ?, ?)", [number, segment_file(number), rows, now()])
-
-
-def exchanges_view_sql(segment_files: list[Path], journals: list[int]) -> str:
-    parts = []
-    if segment_files:
-        files = ", ".join(_quote(str(path)) for path in segment_files)
-        # union_by_name: segments written before a column was added read it as NULL
-        parts.append(f"SELECT {SEGMENT_SELECT} FROM read_parquet([{files}], union_by_name = true)")
-    parts += [f"SELECT {JOURNAL_SELECT} FROM {journal_source(number)}" for number in journals]
-    return "CREATE OR REPLACE VIEW exchanges AS " + " UNION ALL ".join(parts)
-
-
-def _create_table(con: duckdb.DuckDBPyConnection, table: str, columns: dict[str, str]) -> None:
-    con.execute(f"CREATE TABLE IF NOT EXISTS {table} ({', '.join(f'{n} {t}' for n, t in columns.items())})")
-    # later versions add columns; never rename
-    existing = {r[0] for r in con.execute(f"SELECT column_name FROM information_schema.columns WHERE table_name = '{table}'").fetchall()}
-    for name, kind in columns.items():
-        if name not in existing:
-            con.execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind.replace(' PRIMARY KEY', '').replace(' NOT NULL', '')}")
-
-
-def _tables(con: duckdb.DuckDBPyConnection) -> set[str]:
-    return {r[0] for r in con.execute("SELECT table_name FROM duckdb_tables() WHERE schema_name = 'main'").fetchall()}
-
-
-def ensure_schema(con: duckdb.DuckDBPyConnection) -> None:
-    """The tables beside the exchanges (sessions, meta, the segment list); Store creates journals and the view."""
-    _create_table(con, "sessions", SESSION_COLUMNS)
-    con.execute(f"CREATE TABLE IF NOT EXISTS {SEGMENTS_TABLE} (segment INTEGER PRIMARY KEY, file VARCHAR NOT NULL, rows BIGINT, created_at TIMESTAMPTZ)")
-    con.execute("CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR)")
-
-
-def _json_text(value: Any) -> str:
-    """The JSON text of a JSON column's value; text that is not strict JSON (e.g. NaN) is stored as re-encoded."""
-    text = getattr(value, "text", None)  # the engine's request and reply, kept as they crossed the wire
-    if isinstance(text, str):
-        if getattr(value, "strict", True):
-            return text
-        return _dumps(dict(value)).decode()
-    if isinstance(value, (bytes, bytearray)):
-        value = value.decode("utf-8", "replace")
-    if isinstance(value, str):
-        try:
-            orjson.loads(value)
-            return value
-        except orjson.JSONDecodeError:
-            return _dumps(value).decode()  # kept whole, as a JSON string
-    return _dumps(value).decode()
-
-
-def _prompt_ids_at(response: Any, prompt_ids: Any) -> list[int] | None:
-    """[start, length] of the prompt ids' array inside the engine reply's text (1-based, in characters, as DuckDB's
-    substr counts), when the ids are a slice of that text (engines.base.TokenIds); readers parse just that slice."""
-    text = getattr(response, "text", None)
-    if text is None or getattr(prompt_ids, "source", None) is not text or not getattr(response, "strict", False):
-        return None
-    return [prompt_ids.start + 1, prompt_ids.end - prompt_ids.start]
-
-
-def _list_text(values: Any) -> str:
-    text = orjson.dumps(values)
-    if b"null" in text:
-        # orjson writes inf and nan as null; DuckDB's DOUBLE[] cast reads Python's spelling of them
-        return "[" + ", ".join("NULL" if v is None else repr(float(v)) for v in values) + "]"
-    return text.decode()
-
-
-def _dumps(value: Any) -> bytes:
-    try:
-        return orjson.dumps(value, default=_as_list)
-    except (orjson.JSONEncodeError, TypeError):
-        # lone surrogates, integers beyond 64 bits, odd types: stored as near as JSON allows, not refused
-        return json.dumps(_sanitized(value), ensure_ascii=False, allow_nan=False, default=str).encode("utf-8", "replace")
-
-
-def _as_list(value: Any) -> list[Any]:
-    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
-        return list(value)  # e.g. TokenIds
-    raise TypeError(f"cannot store a {type(value).__name__} as JSON")
-
-
-def _sanitized(value: Any) -> Any:
-    if isinstance(value, str):
-        return value.encode("utf-8", "replace").decode("utf-8")
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {_sanitized(str(k)): _sanitized(v) for k, v in value.items()}
-    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
-        return [_sanitized(v) for v in value]
-    return value
-
-
-def journal_records(row: dict[str, Any]) -> tuple[bytes, bytes]:
-    """The head and body JSON objects of a row's fields beyond the journal's own columns (absent ones left out).
-
-    Prompt ids are most of a row, and an engine reply that carries them has them already: then the body keeps
-    only where they are in it (they were parsed from that very text), and readers extract them from there.
-    """
-    head: dict[str, Any] = {}
-    for name in HEAD_FIELDS:
-        value = row.get(name)
-        if value is not None:
-            head[name] = _json_text(value) if name in JSON_COLUMNS else value
-    body: dict[str, Any] = {}
-    prompt_ids_at = _prompt_ids_at(row.get("engine_response"), row.get("prompt_token_ids"))
-    if prompt_ids_at:
-        body[PROMPT_IDS_AT] = prompt_ids_at
-    for name in BODY_FIELDS:
-        value = row.get(name)
-        if value is None or (prompt_ids_at and name == "prompt_token_ids"):
-            continue
-        if name in JSON_COLUMNS:
-            value = _json_text(value)
-        elif name in DOUBLE_LISTS:
-            value = _list_text(value)
-        body[name] = value
-    return _dumps(head), _dumps(body)
-
-
 @dataclass
 class _Pending:
     """One queued write: an exchange row, a statement from execute_write, or a step of the store itself."""
@@ -355,7 +90,7 @@ class _Pending:
     sql: str = ""
     params: list[Any] = field(default_factory=list)
     done: Any = None  # called with (error or None) from the writer thread
-    row: dict[str, Any] | None = None
+    row: ExchangeRow | None = None
     step: Callable[[duckdb.DuckDBPyConnection], None] | None = None  # runs alone, in its own transaction
 
 
@@ -377,8 +112,10 @@ class Store:
         self.con.execute("SET threads = 1")
         ensure_schema(self.con)
         self._segments: list[Path] = [self.segments_dir / file for (file,) in self.con.execute(f"SELECT file FROM {SEGMENTS_TABLE} ORDER BY segment").fetchall()]
-        self._migrate_v1()
-        self._journals = sorted(int(name[len(JOURNAL_PREFIX):]) for name in _tables(self.con) if re.fullmatch(JOURNAL_PREFIX + r"\d+", name))
+        migrated = migrate_v1(self.con, self.segments_dir)
+        if migrated is not None:
+            self._segments.append(migrated)
+        self._journals = sorted(int(name[len(JOURNAL_PREFIX):]) for name in tables(self.con) if re.fullmatch(JOURNAL_PREFIX + r"\d+", name))
         numbers = self._journals + [int(path.stem) for path in self._segments if path.stem.isdigit()]
         self._next_number = max(numbers, default=0) + 1
         # journals left by a crash (or a hard stop) become segments before anything new is written
@@ -387,9 +124,7 @@ class Store:
         for number in leftovers:
             self._compact(self.con, number)
         self.con.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
-        from polar_mitm import views  # views depend on the tables above
-
-        views.create_views(self.con)
+        views.create_views(self.con)  # after the tables and the exchanges view they select from
         if self.con.execute("SELECT value FROM meta WHERE key = 'closed_cleanly'").fetchall() != [("true",)]:
             self.con.execute(_RECOUNT_NEW_SESSIONS)
             self.con.execute(_RECOUNT_SESSIONS)
@@ -415,7 +150,7 @@ class Store:
         return seq
 
     # -- writes
-    async def commit_exchange(self, row: dict[str, Any]) -> None:
+    async def commit_exchange(self, row: ExchangeRow) -> None:
         """Commit one exchange row; returns only once it is durable in DuckDB."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
@@ -521,16 +256,16 @@ class Store:
         try:
             if all(item.row is not None for item in batch):
                 # one INSERT is its own transaction: no BEGIN/COMMIT statements to pay for (~0.5 ms at one row)
-                _insert_journal_rows(appends, [item.row for item in batch], journal_table(self._journals[-1]))  # type: ignore[misc]
+                insert_journal_rows(appends, [item.row for item in batch], journal_table(self._journals[-1]))  # type: ignore[misc]
             else:
-                with _transaction(con):
+                with transaction(con):
                     self._apply(con, batch)
             self.commits += 1
         except Exception:
             # one bad row must not fail its neighbours: retry each alone
             for item in batch:
                 try:
-                    with _transaction(con):
+                    with transaction(con):
                         self._apply(con, [item])
                 except Exception as error:  # noqa: BLE001 - reported to the waiting caller
                     if item.done:
@@ -551,15 +286,15 @@ class Store:
     def _apply(self, con: duckdb.DuckDBPyConnection, batch: list[_Pending]) -> None:
         """The batch's writes in queue order; each run of exchange rows goes in as one insert."""
         table = journal_table(self._journals[-1])
-        rows: list[dict[str, Any]] = []
+        rows: list[Mapping[str, Any]] = []
         for item in batch:
             if item.row is not None:
                 rows.append(item.row)
                 continue
-            _insert_journal_rows(con, rows, table)
+            insert_journal_rows(con, rows, table)
             rows = []
             con.execute(item.sql, item.params)
-        _insert_journal_rows(con, rows, table)
+        insert_journal_rows(con, rows, table)
 
     def _flush_sessions(self, con: duckdb.DuckDBPyConnection) -> None:
         """Count committed exchanges into `sessions`, in a transaction of their own.
@@ -574,7 +309,7 @@ class Store:
             if len(counts) == 1 and self._known_sessions.issuperset(counts):
                 _update_sessions(con, counts, self._known_sessions)  # one UPDATE: its own transaction
             else:
-                with _transaction(con):
+                with transaction(con):
                     _update_sessions(con, counts, self._known_sessions)
         except Exception:  # noqa: BLE001 - kept, and retried with the next flush
             log.exception("polar-mitm: could not update session counters")
@@ -587,38 +322,27 @@ class Store:
         """Start a new journal; returns the full one, for the compactor. Writer thread (or before it starts)."""
         number = self._next_number
         journals = self._journals + [number]
-        with _transaction(con):
+        with transaction(con):
             con.execute(f"CREATE TABLE {journal_table(number)} ({', '.join(f'{n} {t}' for n, t in JOURNAL_COLUMNS.items())})")
-            self._write_view(con, self._segments, journals)
+            write_view(con, self._segments, journals)
         self._next_number += 1
         full, self._journals, self._journal_rows = self._journals, journals, 0
         return full[-1] if full else None
-
-    def _write_view(self, con: duckdb.DuckDBPyConnection, segment_files: list[Path], journals: list[int]) -> None:
-        con.execute(exchanges_view_sql(segment_files, journals))
-        con.execute(f"COMMENT ON VIEW exchanges IS {_quote(EXCHANGES_DOC)}")
-
-    def _write_segment(self, con: duckdb.DuckDBPyConnection, number: int) -> int:
-        """Copy journal `number` (no longer written to) into its Parquet segment; returns the rows copied."""
-        rows = con.execute(f"SELECT count(*) FROM {journal_table(number)}").fetchall()[0][0]
-        if rows:
-            write_parquet(con, f"SELECT {JOURNAL_SELECT} FROM {journal_source(number)}", self.segments_dir / segment_file(number))
-        return rows
 
     def _install_segment(self, con: duckdb.DuckDBPyConnection, number: int, rows: int) -> None:
         """Swap journal `number` for its segment in one transaction: the rows are never in both or in neither."""
         segments = self._segments + ([self.segments_dir / segment_file(number)] if rows else [])
         journals = [j for j in self._journals if j != number]
-        with _transaction(con):
+        with transaction(con):
             if rows:
-                _register_segment(con, number, rows)
-            self._write_view(con, segments, journals)
+                register_segment(con, number, rows)
+            write_view(con, segments, journals)
             con.execute(f"DROP TABLE {journal_table(number)}")
         self._segments, self._journals = segments, journals
 
     def _compact(self, con: duckdb.DuckDBPyConnection, number: int) -> None:
         """Journal to segment, all in the calling thread (start-up and close, when nothing else writes)."""
-        self._install_segment(con, number, self._write_segment(con, number))
+        self._install_segment(con, number, write_segment(con, number, self.segments_dir))
 
     def _compact_loop(self) -> None:
         # compaction yields to the proxy: DuckDB runs it on this thread alone (threads=1, set at open), niced
@@ -633,35 +357,18 @@ class Store:
                 return
             started = time.perf_counter()
             try:
-                rows = self._write_segment(con, number)
+                rows = write_segment(con, number, self.segments_dir)
                 written = time.perf_counter()
                 self._call_writer(_Pending(step=lambda writer, number=number, rows=rows: self._install_segment(writer, number, rows)))
             except Exception:  # noqa: BLE001 - the journal stays (and stays in the view); compacted again at the next open
                 log.exception(f"polar-mitm: could not compact {journal_table(number)}")
                 continue
             installed = time.perf_counter()
-            checkpointed = _checkpoint_soon(con)
+            checkpointed = checkpoint_soon(con)
             log.info(
                 f"polar-mitm: segment {number:06d}: {rows} exchanges written in {1000 * (written - started):.0f} ms, installed in "
                 f"{1000 * (installed - written):.0f} ms, {'checkpoint' if checkpointed else 'no checkpoint'} in {1000 * (time.perf_counter() - installed):.0f} ms"
             )
-
-    def _migrate_v1(self) -> None:
-        """Schema 1 kept `exchanges` as a table: it becomes the first segment."""
-        is_table = self.con.execute("SELECT count(*) FROM duckdb_tables() WHERE schema_name = 'main' AND table_name = 'exchanges'").fetchall()[0][0]
-        if not is_table:
-            return
-        number = _next_segment(self.con)
-        rows = self.con.execute("SELECT count(*) FROM exchanges").fetchall()[0][0]
-        if rows:
-            columns = {r[0] for r in self.con.execute("SELECT column_name FROM information_schema.columns WHERE table_name = 'exchanges'").fetchall()}
-            write_parquet(self.con, f"SELECT {_contract_select(columns)} FROM exchanges", self.segments_dir / segment_file(number))
-        with _transaction(self.con):
-            if rows:
-                _register_segment(self.con, number, rows)
-            self.con.execute("DROP TABLE exchanges")
-        if rows:
-            self._segments.append(self.segments_dir / segment_file(number))
 
     # -- reads (any thread)
     def query(self, sql: str, params: list[Any] | None = None) -> tuple[list[str], list[tuple[Any, ...]]]:
@@ -673,42 +380,24 @@ class Store:
         finally:
             cursor.close()
 
+    def arrow(self, sql: str, params: list[Any] | None = None) -> pa.Table:
+        """The result of read-only SQL as an Arrow table (list columns as Arrow buffers, no Python object per value)."""
+        cursor = self.con.cursor()
+        try:
+            return cursor.sql(sql, params=params or []).to_arrow_table()
+        finally:
+            cursor.close()
+
     # -- the control endpoint for readers in other processes
     def serve_sql(self, port: int = 0) -> str:
-        store = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server API
-                length = int(self.headers.get("content-length") or 0)
-                try:
-                    request = json.loads(self.rfile.read(length) or b"{}")
-                    sql = request["sql"]
-                    check_read_only(sql)
-                    columns, rows = store.query(sql, request.get("params"))
-                    status, payload = 200, {"columns": columns, "rows": [list(r) for r in rows]}
-                except Exception as error:  # noqa: BLE001 - returned to the caller
-                    status, payload = 400, {"error": f"{type(error).__name__}: {error}"}
-                data = json.dumps(payload, default=_json_default).encode()
-                self.send_response(status)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self._control = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-        threading.Thread(target=self._control.serve_forever, name="polar-sql", daemon=True).start()
-        url = f"http://127.0.0.1:{self._control.server_address[1]}"
-        control_file(self.path).write_text(json.dumps({"pid": os.getpid(), "sql_url": url}))
-        return url
+        """Answer read-only SQL from other processes on a loopback port (named in the control file); returns its URL."""
+        self._control = control.serve_sql(self.path, self.query, port)
+        return control.sql_url(self._control)
 
     def close(self) -> None:
         """Stop writing; every journal becomes a segment, so a closed store holds its exchanges in Parquet."""
         if self._control is not None:
-            self._control.shutdown()
-            control_file(self.path).unlink(missing_ok=True)
+            control.stop_serving(self.path, self._control)
             self._control = None
         self._compactions.put(None)  # finishes the compactions queued so far (their last step needs the writer)
         self._compactor.join(timeout=600)
@@ -726,93 +415,8 @@ class Store:
         self.con.close()
 
 
-def write_parquet(con: duckdb.DuckDBPyConnection, select: str, path: Path) -> None:
-    """Write a segment durably: to a temporary name, fsynced, then renamed (a segment file is whole or absent)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(path.name + ".tmp")
-    # lz4: about half zstd's CPU here (token ids are random-looking integers), in files ~1.5x the size
-    con.execute(f"COPY ({select}) TO {_quote(str(temporary))} (FORMAT parquet, COMPRESSION lz4_raw)")
-    _fsync(temporary)
-    os.replace(temporary, path)
-    _fsync(path.parent)
 
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _checkpoint_soon(con: duckdb.DuckDBPyConnection, attempts: int = 2000) -> bool:
-    """CHECKPOINT in a gap between the writer's transactions (DuckDB refuses one while another write is open)."""
-    for _ in range(attempts):
-        try:
-            con.execute("CHECKPOINT")
-            return True
-        except duckdb.TransactionException:
-            time.sleep(0.001)
-    log.info("polar-mitm: no gap for a checkpoint; DuckDB checkpoints by itself past 1 GB of WAL")
-    return False
-
-
-def add_segment(con: duckdb.DuckDBPyConnection, db_path: str | os.PathLike[str], rows: pa.Table) -> None:
-    """Bulk-load exchange rows (an Arrow table, any subset of the columns) as one segment of a store no Store has open."""
-    number = _next_segment(con)
-    con.register("polar_bulk_rows", rows)
-    try:
-        write_parquet(con, f"SELECT {_contract_select(rows.column_names)} FROM polar_bulk_rows", segments_dir(db_path) / segment_file(number))
-    finally:
-        con.unregister("polar_bulk_rows")
-    _register_segment(con, number, rows.num_rows)
-
-
-def _next_segment(con: duckdb.DuckDBPyConnection) -> int:
-    return con.execute(f"SELECT coalesce(max(segment), 0) + 1 FROM {SEGMENTS_TABLE}").fetchall()[0][0]
-
-
-def _insert_journal_rows(con: duckdb.DuckDBPyConnection, rows: list[dict[str, Any]], table: str) -> None:
-    """Insert exchange rows into a journal table: one statement, however many rows."""
-    if not rows:
-        return
-    if len(rows) == 1:
-        row = rows[0]
-        con.execute(f"INSERT INTO {table} VALUES (?, ?, ?, ?, ?, ?)", [row["exchange_id"], row["session_id"], row["seq"], row["status"], *journal_records(row)])
-        return
-    # DuckDB reads the Arrow table by its variable name (a replacement scan: cheaper than register())
-    records = [journal_records(row) for row in rows]
-    polar_pending_exchanges = pa.table(  # noqa: F841 - read by DuckDB
-        {
-            "exchange_id": [row["exchange_id"] for row in rows],
-            "session_id": [row["session_id"] for row in rows],
-            "seq": [row["seq"] for row in rows],
-            "status": [row["status"] for row in rows],
-            # orjson's output: UTF-8 by construction, so no validation on the way in
-            "head": pa.array([head for head, _ in records], pa.binary()),
-            "body": pa.array([body for _, body in records], pa.binary()),
-        },
-        schema=JOURNAL_ARROW_SCHEMA,
-    )
-    con.execute(f"INSERT INTO {table} SELECT * FROM polar_pending_exchanges")
-
-
-@contextmanager
-def _transaction(con: duckdb.DuckDBPyConnection) -> Iterator[None]:
-    """BEGIN ... COMMIT around the block; rolled back (and the error raised again) if the block or COMMIT fails."""
-    con.execute("BEGIN TRANSACTION")
-    try:
-        yield
-        con.execute("COMMIT")
-    except BaseException:
-        try:
-            con.execute("ROLLBACK")
-        except duckdb.TransactionException:
-            pass  # nothing left open to roll back
-        raise
-
-
-def _count_sessions(counts: dict[str, dict[str, Any]], rows: list[dict[str, Any]]) -> None:
+def _count_sessions(counts: dict[str, dict[str, Any]], rows: list[Mapping[str, Any]]) -> None:
     for row in rows:
         stamp = row.get("ended_at") or now()
         entry = counts.get(row["session_id"])
@@ -841,78 +445,3 @@ def _update_sessions(con: duckdb.DuckDBPyConnection, counts: dict[str, dict[str,
     if new:
         con.execute(_INSERT_SESSIONS)
 
-
-def control_file(db_path: str | os.PathLike[str]) -> Path:
-    return Path(str(db_path) + ".control.json")
-
-
-READ_ONLY_STATEMENTS = {"SELECT", "EXPLAIN", "PRAGMA", "SHOW", "DESCRIBE", "SUMMARIZE"}
-
-
-def check_read_only(sql: str) -> None:
-    for statement in duckdb.extract_statements(sql):
-        kind = statement.type.name
-        if kind not in READ_ONLY_STATEMENTS:
-            raise PermissionError(f"only read-only SQL is answered while the gateway owns the store ({kind} refused)")
-
-
-def _json_default(value: Any) -> Any:
-    if isinstance(value, datetime):
-        return value.isoformat()
-    if isinstance(value, (bytes, bytearray)):
-        return value.decode("utf-8", "replace")
-    return str(value)
-
-
-def query(db_path: str | os.PathLike[str], sql: str, params: list[Any] | None = None, timeout: float = 60) -> tuple[list[str], list[list[Any]]]:
-    """Read the store from any process: directly when no gateway holds it, else through the gateway."""
-    path = Path(db_path)
-    control = control_file(path)
-    if control.exists():
-        info = json.loads(control.read_text())
-        if _pid_alive(info.get("pid")):
-            import httpx
-
-            check_read_only(sql)
-            response = httpx.post(info["sql_url"] + "/sql", json={"sql": sql, "params": params}, timeout=timeout, trust_env=False)
-            payload = response.json()
-            if response.status_code != 200:
-                raise RuntimeError(payload.get("error", response.text))
-            return payload["columns"], payload["rows"]
-    if not path.exists():
-        raise FileNotFoundError(f"no store at {path}")
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            con = duckdb.connect(str(path), read_only=True)
-            break
-        except duckdb.IOException:
-            # the gateway may be starting: its control file appears right after it opens the store
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
-            if control.exists():
-                return query(db_path, sql, params, timeout)
-    try:
-        result = con.execute(sql, params or [])
-        columns = [d[0] for d in result.description] if result.description else []
-        return columns, [list(r) for r in result.fetchall()]
-    finally:
-        con.close()
-
-
-def query_dicts(db_path: str | os.PathLike[str], sql: str, params: list[Any] | None = None) -> list[dict[str, Any]]:
-    columns, rows = query(db_path, sql, params)
-    return [dict(zip(columns, row)) for row in rows]
-
-
-def _pid_alive(pid: Any) -> bool:
-    if not isinstance(pid, int):
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
