@@ -16,7 +16,7 @@ import uuid
 import weakref
 import importlib
 import importlib.util
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,8 @@ from polar_mitm import dialects, redact, session
 from polar_mitm.engines import make_engine
 from polar_mitm.engines.base import Engine
 from polar_mitm.exchange import DialectError, EngineError, ParsedRequest
-from polar_mitm.run_cli import GATEWAY_FILE
+from polar_mitm.gateway import options
+from polar_mitm.routing import GATEWAY_FILE
 from polar_mitm.store import Store, now
 
 log = logging.getLogger("polar_mitm.gateway")
@@ -44,37 +45,7 @@ class PolarAddon:
         self.engine_hook: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any] | None] | None = None
 
     def load(self, loader: Any) -> None:
-        loader.add_option("polar_upstream", str, "", "The inference engine's OpenAI-compatible base URL, e.g. http://127.0.0.1:8011/v1.")
-        loader.add_option("polar_db", str, "polar.duckdb", "The DuckDB file every exchange is committed to.")
-        loader.add_option("polar_engine", str, "vllm", "The engine kind behind polar_upstream: vllm or sglang.")
-        loader.add_option("polar_engine_model", str, "", "The engine's served model name; empty: discovered from its /models.")
-        loader.add_option(
-            "polar_split_reasoning",
-            bool,
-            False,
-            "Split a leading <think>...</think> out of the engine's content into reasoning, for engines served without a reasoning parser.",
-        )
-        loader.add_option("polar_engine_timeout", float, 600.0, "Seconds to wait for one engine call before answering 504.")
-        loader.add_option(
-            "polar_model_map",
-            Sequence[str],
-            [],
-            "Which requested model names are served, as glob patterns, optionally '=ENGINE_MODEL'. Empty: every name is served by the engine's model; otherwise an unmatched name gets a 404 in the provider's shape.",
-        )
-        loader.add_option("polar_require_auth", bool, False, "Answer 407 to requests without valid session credentials in the proxy URL.")
-        loader.add_option(
-            "polar_passthrough",
-            Sequence[str],
-            [],
-            "Hosts (glob patterns) whose non-model traffic is forwarded to the real network. Empty: every non-model request is answered locally with a 404.",
-        )
-        loader.add_option(
-            "polar_engine_hook",
-            str,
-            "",
-            "A function 'module:name' or 'path/to/file.py:name' called as hook(engine_request, context) before each engine call; it may return a changed request (e.g. sampling params, structured outputs). The row records the request as sent.",
-        )
-        loader.add_option("polar_sql_port", int, 0, "Loopback port of the read-only SQL endpoint for other processes (0: any free port).")
+        options.declare(loader)  # polar_<name> for each row of gateway/options.py
 
     def configure(self, updated: set[str]) -> None:
         if ctx.options.connection_strategy != "lazy":
