@@ -50,8 +50,8 @@ def test_every_addon_option_is_declared_by_load_with_the_tables_type_default_and
     PolarAddon().load(Loader())
     assert set(declared) == {option.mitmproxy_name for option in ADDON_OPTIONS}
     for option in ADDON_OPTIONS:
-        typespec, default, help = declared[option.mitmproxy_name]
-        assert help == option.help and default == (str(option.default) if option.type is Path else option.default if option.type != list[str] else [])
+        _, default, help = declared[option.mitmproxy_name]
+        assert help == option.help and default == options.mitmproxy_value(option, option.default)
     assert declared["polar_engine_timeout"][:2] == (float, 600.0) and declared["polar_db"][:2] == (str, "polar.duckdb")
 
 
@@ -110,6 +110,29 @@ def test_make_master_sets_every_addon_option_from_the_config(tmp_path: Path) -> 
             for option in ADDON_OPTIONS:
                 expected = str(values[option.name]) if option.type is Path else values[option.name]
                 assert getattr(master.options, option.mitmproxy_name) == expected, option.name
+        finally:
+            master.addons.get("polaraddon").store.close()
+
+    asyncio.run(main())
+
+
+def test_values_are_checked_in_the_addons_configure(tmp_path: Path) -> None:
+    """The table declares; configure() checks, for mitmdump --set and the CLI alike."""
+    from mitmproxy.exceptions import OptionsError
+
+    from polar_mitm.gateway import server
+
+    async def main() -> None:
+        master = server.make_master(GatewayConfig(upstream="http://127.0.0.1:9/v1", db=tmp_path / "store.duckdb", confdir=str(tmp_path / "confdir")))
+        try:
+            for option, value, message in [
+                ("polar_engine_timeout", 0.0, "must be positive"),
+                ("polar_engine", "tgi", "must be vllm or sglang"),
+                ("polar_engine_hook", "no-function-named", "polar_engine_hook: must be 'module:function'"),
+                ("polar_model_map", ["=served"], "has no pattern"),
+            ]:
+                with pytest.raises(OptionsError, match=message):
+                    master.options.update(**{option: value})
         finally:
             master.addons.get("polaraddon").store.close()
 

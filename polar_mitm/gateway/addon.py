@@ -14,8 +14,6 @@ import os
 import time
 import uuid
 import weakref
-import importlib
-import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,10 +23,12 @@ from mitmproxy import ctx, exceptions, http
 from polar_mitm import dialects, redact, session
 from polar_mitm.engines import make_engine
 from polar_mitm.engines.base import Engine
+from polar_mitm.errors import ConfigError
 from polar_mitm.exchange import DialectError, EngineError, ParsedRequest
 from polar_mitm.gateway import options
 from polar_mitm.routing import GATEWAY_FILE
 from polar_mitm.store import Store, now
+from polar_mitm.util import load_function
 
 log = logging.getLogger("polar_mitm.gateway")
 
@@ -68,7 +68,10 @@ class PolarAddon:
                     raise exceptions.OptionsError(f"polar_model_map entry {entry!r} has no pattern")
                 self.model_map.append((pattern, target or None))
         if "polar_engine_hook" in updated:
-            self.engine_hook = load_hook(ctx.options.polar_engine_hook) if ctx.options.polar_engine_hook else None
+            try:
+                self.engine_hook = load_function(ctx.options.polar_engine_hook) if ctx.options.polar_engine_hook else None
+            except ConfigError as error:
+                raise exceptions.OptionsError(f"polar_engine_hook: {error}") from error
         if "polar_db" in updated or self.store is None:
             if self.store is not None:
                 self.store.close()
@@ -294,21 +297,3 @@ def _peek_model(body: bytes, path: str) -> str | None:
         return None
     model = data.get("model") if isinstance(data, dict) else None
     return model if isinstance(model, str) else None
-
-
-def load_hook(spec: str) -> Callable[..., Any]:
-    target, sep, name = spec.rpartition(":")
-    if not sep or not target or not name:
-        raise exceptions.OptionsError(f"polar_engine_hook must be 'module:function' or 'file.py:function', got {spec!r}")
-    if target.endswith(".py"):
-        module_spec = importlib.util.spec_from_file_location(f"polar_engine_hook_{abs(hash(target))}", target)
-        if module_spec is None or module_spec.loader is None:
-            raise exceptions.OptionsError(f"cannot load engine hook file {target!r}")
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(target)
-    hook = getattr(module, name, None)
-    if not callable(hook):
-        raise exceptions.OptionsError(f"engine hook {spec!r} is not a function")
-    return hook

@@ -13,7 +13,7 @@ addon's `configure()`; e.g. a cap on concurrent engine calls:
            flag_help="concurrent engine calls (default 0: no limit)"),
 
 gives `--set polar_engine_concurrency=8`, `GatewayConfig(engine_concurrency=8)` and `--engine-concurrency 8` on
-all three commands. Checks on values stay in the addon's `configure()` (one place for mitmdump and the CLI).
+all three commands (the rollout commands leave out only what the node sets itself: cli/rollout.py NODE_SETS). Checks on values stay in the addon's `configure()` (one place for mitmdump and the CLI).
 
 Options that are not the addon's (`addon=False`: the listen address, confdir, mitmweb, the terminal log) are
 mitmproxy's own or the process's; `make_master` applies them, and they have no `polar_` name.
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,7 @@ class Option:
     type: Any  # str, int, float, bool, Path or list[str]
     default: Any
     help: str  # the contract: mitmproxy's option help and the config field's description
-    flag_help: str | None = None  # the short --help line (None: no help text, as today)
+    flag_help: str | None = None  # the short --help line (None: none)
     flags: tuple[str, ...] = ()  # default: ("--<name with dashes>",)
     choices: tuple[str, ...] | None = None
     metavar: str | None = None
@@ -103,14 +103,13 @@ OPTIONS: tuple[Option, ...] = (
         "loopback port for read-only SQL from other processes (default: any)",
     ),
     Option("web", bool, False, "Serve mitmweb's UI too (mitmweb keeps all of mitmdump's addons).", "serve mitmweb's UI too", addon=False),
-    Option("web_port", int, 8081, "mitmweb's UI port on 127.0.0.1 (with web).", addon=False),
+    Option("web_port", int, 8081, "mitmweb's UI port on 127.0.0.1 (with web).", addon=False),  # no help line, as before
     Option("verbose", bool, False, "The gateway's own log (mitmproxy's termlog) on the terminal.", "the gateway's own log on the terminal", flags=("-v", "--verbose"), addon=False),
 )
 
-BY_NAME = {option.name: option for option in OPTIONS}
 
-
-def _mitmproxy_type(option: Option) -> Any:
+def mitmproxy_type(option: Option) -> Any:
+    """The typespec mitmproxy checks values against (it knows str, not Path; Sequence[str], not list[str])."""
     if option.type is Path:
         return str
     if option.type == list[str]:
@@ -118,7 +117,7 @@ def _mitmproxy_type(option: Option) -> Any:
     return option.type
 
 
-def _mitmproxy_value(option: Option, value: Any) -> Any:
+def mitmproxy_value(option: Option, value: Any) -> Any:
     if option.type is Path:
         return str(value)
     if option.type == list[str]:
@@ -130,12 +129,12 @@ def declare(loader: Any) -> None:
     """Declare the addon's options on mitmproxy's loader (PolarAddon.load)."""
     for option in OPTIONS:
         if option.addon:
-            loader.add_option(option.mitmproxy_name, _mitmproxy_type(option), _mitmproxy_value(option, option.default), option.help)
+            loader.add_option(option.mitmproxy_name, mitmproxy_type(option), mitmproxy_value(option, option.default), option.help)
 
 
 def mitmproxy_updates(config: Any) -> dict[str, Any]:
     """The addon's options as `master.options.update(**...)` takes them, from a GatewayConfig."""
-    return {option.mitmproxy_name: _mitmproxy_value(option, getattr(config, option.name)) for option in OPTIONS if option.addon}
+    return {option.mitmproxy_name: mitmproxy_value(option, getattr(config, option.name)) for option in OPTIONS if option.addon}
 
 
 def add_arguments(parser: argparse.ArgumentParser, exclude: Iterable[str] = (), overrides: dict[str, dict[str, Any]] | None = None, prefix: str = "") -> None:

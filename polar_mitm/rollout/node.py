@@ -34,7 +34,7 @@ from polar_mitm.rollout.models import SessionResult, TaskRequest, TrajectorySumm
 from polar_mitm.rollout.runtimes import GatewayAccess, Sandbox, SandboxSpec
 from polar_mitm.rollout.scheduler import RequestRejected, SessionRun, SessionWork, StageLimits, Stages
 from polar_mitm.store import Store, now
-from polar_mitm.util import free_port, listening
+from polar_mitm.util import free_port, listening, load_function
 
 log = logging.getLogger("polar_mitm.rollout")
 
@@ -170,10 +170,8 @@ class GatewayNode:
             if isinstance(step, UploadStep) and step.upload.source is not None and not Path(step.upload.source).expanduser().exists():
                 raise RequestRejected(("runtime", "prepare", str(index), "upload", "source"), f"{step.upload.source!r} does not exist on the rollout server's machine")
         if request.evaluator is not None and request.evaluator.python is not None:
-            from polar_mitm.gateway.addon import load_hook
-
             try:
-                load_hook(request.evaluator.python)
+                load_function(request.evaluator.python)
             except Exception as error:  # noqa: BLE001 - any import failure is the request's problem
                 raise RequestRejected(("evaluator", "python"), f"cannot load {request.evaluator.python!r}: {error}") from None
 
