@@ -25,7 +25,7 @@ DEFAULT_SERVER = f"http://127.0.0.1:{DEFAULT_PORT}"
 # the node's gateway options land in args.gateway_<name> (--port is the API's)
 GATEWAY = "gateway_"
 # gateway options GatewayNode sets itself (rollout/node.py NODE_OPTIONS), so not flags here
-NODE_SETS = ("require_auth", "web", "web_port")
+NODE_SETS = ("host", "require_auth", "web", "web_port")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -39,9 +39,9 @@ from polar_mitm.util import free_port, listening, load_function
 log = logging.getLogger("polar_mitm.rollout")
 
 
-# gateway options the node sets itself: every sandbox gets its own session credentials, so the gateway refuses
-# traffic without them; and its gateway runs on a thread, without mitmweb's UI
-NODE_OPTIONS = {"require_auth": True, "web": False}
+# gateway options the node sets itself: sandboxes reach it at 127.0.0.1 (gateway_url, the relay); every sandbox
+# gets its own session credentials, so the gateway refuses traffic without them; it runs on a thread, without mitmweb
+NODE_OPTIONS = {"host": "127.0.0.1", "require_auth": True, "web": False}
 
 
 class NodeConfig(BaseModel):
