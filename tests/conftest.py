@@ -28,7 +28,8 @@ def engine_url() -> Iterator[str]:
         engine.stop()
 
 
-from tests.gatewayproc import Gateway, free_port  # noqa: E402
+from polar_mitm.util import free_port  # noqa: E402
+from tests.gatewayproc import Gateway  # noqa: E402
 
 
 @pytest.fixture(scope="session")

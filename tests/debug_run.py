@@ -24,7 +24,8 @@ import duckdb
 import openai
 
 from tests import debug_steer
-from tests.gatewayproc import Gateway, free_port, proxy_env
+from polar_mitm.util import free_port
+from tests.gatewayproc import Gateway, proxy_env
 
 FIXTURES = Path(__file__).parent / "fixtures" / "contentview"
 HOOK = f"{Path(debug_steer.__file__).resolve()}:steer"

@@ -15,12 +15,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from polar_mitm import session, store
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from polar_mitm.util import free_port
 
 
 @dataclass

@@ -16,7 +16,8 @@ import openai
 import pytest
 
 from polar_mitm import store
-from tests.gatewayproc import Gateway, free_port, proxy_env
+from polar_mitm.util import free_port
+from tests.gatewayproc import Gateway, proxy_env
 from tests.upstream_standins import StandinUpstream
 
 pytestmark = pytest.mark.engine

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from polar_mitm import harnesses, run_cli
+from polar_mitm import harnesses, routing
 from polar_mitm.assembler import assemble
 from polar_mitm.store import JSON_COLUMNS
 from tests import harness_steering as steering
@@ -184,14 +184,14 @@ sys.exit(7)
 @pytest.mark.engine
 def test_run_routes_any_command_through_the_gateway(gateway, session_id, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in STRIPPED} | {"OPENAI_API_KEY": "sk-test", "SSL_CERT_FILE": "/etc/ssl/certs/ca-certificates.crt"}
-    command = [sys.executable, "-m", "polar_mitm.cli", "run", "--gateway", gateway.proxy_url(), "--confdir", str(gateway.confdir), "--session", session_id, "--", sys.executable, "-c", CHILD, *run_cli.CA_VARIABLES]
+    command = [sys.executable, "-m", "polar_mitm.cli", "run", "--gateway", gateway.proxy_url(), "--confdir", str(gateway.confdir), "--session", session_id, "--", sys.executable, "-c", CHILD, *routing.CA_VARIABLES]
     result = subprocess.run(command, env=env, cwd=tmp_path, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
     assert result.returncode == 7, result.stderr  # the command's own exit code
     assert f"polar-mitm run: session {session_id}" in result.stderr
     seen = json.loads(result.stdout)["env"]
     assert seen["HTTPS_PROXY"] == seen["HTTP_PROXY"] == gateway.proxy_url(session_id)
     assert seen["NO_PROXY"] == "localhost,127.0.0.1,::1" and seen["POLAR_MITM_SESSION"] == session_id
-    bundles = {seen[k] for k in run_cli.CA_VARIABLES}
+    bundles = {seen[k] for k in routing.CA_VARIABLES}
     assert len(bundles) == 1 and bundles != {"/etc/ssl/certs/ca-certificates.crt"}  # the machine's own setting is overridden
     bundle = Path(bundles.pop()).read_text()
     assert bundle.startswith(gateway.ca_cert.read_text().rstrip()) and bundle.count("BEGIN CERTIFICATE") > 10  # + the system CAs

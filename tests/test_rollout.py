@@ -29,7 +29,7 @@ import pytest
 
 from polar_mitm import harnesses, store
 from polar_mitm.rollout.runtimes.local import marked_processes
-from tests.gatewayproc import free_port
+from polar_mitm.util import free_port
 
 pytestmark = [pytest.mark.harness, pytest.mark.engine]
 

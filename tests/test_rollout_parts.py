@@ -94,7 +94,7 @@ def test_callback_retried_until_delivered_once_then_final_errors() -> None:
 
 
 def _closed_port() -> int:
-    from tests.gatewayproc import free_port
+    from polar_mitm.util import free_port
 
     return free_port()
 
@@ -169,11 +169,12 @@ def test_python_evaluator_reads_the_sandbox(tmp_path: Path) -> None:
 
 
 def test_a_harness_that_is_not_installed_is_refused_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from polar_mitm.gateway.config import GatewayConfig
     from polar_mitm.rollout.node import GatewayNode, NodeConfig
     from polar_mitm.rollout.scheduler import RequestRejected
 
     monkeypatch.setenv("POLAR_MITM_HOME", str(tmp_path / "empty"))
-    node = GatewayNode(NodeConfig(upstream="http://127.0.0.1:1/v1", db=tmp_path / "store.duckdb"))  # not started: checks only
+    node = GatewayNode(NodeConfig(gateway=GatewayConfig(port=0, upstream="http://127.0.0.1:1/v1", db=tmp_path / "store.duckdb")))  # not started: checks only
     request = TaskRequest.model_validate({"instruction": "x", "agent": {"harness": "gemini"}})
     with pytest.raises(RequestRejected, match="gemini-cli.*not installed.*install.sh") as refused:
         asyncio.run(node.check(request))

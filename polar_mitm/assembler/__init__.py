@@ -11,7 +11,7 @@ Polar-style, not token-faithful variant for comparison). Only exchanges with sta
 'generate' and no replay flag are trajectory material. The store is read through `polar_mitm.store.query`,
 so this works while a gateway writes to it; pass `store=` (an open `polar_mitm.store.Store`) when running
 in the gateway's own process. For runs too large to hold in memory, iterate `Assembler(...).batches()`.
-`polar-mitm assemble` (cli.py) writes Parquet and the store's `trajectories` table (export.py).
+`polar-mitm assemble` (polar_mitm/cli/assemble.py) writes Parquet and the store's `trajectories` table (export.py).
 """
 
 from __future__ import annotations

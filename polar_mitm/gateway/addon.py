@@ -14,9 +14,7 @@ import os
 import time
 import uuid
 import weakref
-import importlib
-import importlib.util
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +23,12 @@ from mitmproxy import ctx, exceptions, http
 from polar_mitm import dialects, redact, session
 from polar_mitm.engines import make_engine
 from polar_mitm.engines.base import Engine
+from polar_mitm.errors import ConfigError
 from polar_mitm.exchange import DialectError, EngineError, ParsedRequest
-from polar_mitm.run_cli import GATEWAY_FILE
+from polar_mitm.gateway import options
+from polar_mitm.routing import GATEWAY_FILE
 from polar_mitm.store import ExchangeRow, Store, now
+from polar_mitm.util import load_function
 
 log = logging.getLogger("polar_mitm.gateway")
 
@@ -44,37 +45,7 @@ class PolarAddon:
         self.engine_hook: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any] | None] | None = None
 
     def load(self, loader: Any) -> None:
-        loader.add_option("polar_upstream", str, "", "The inference engine's OpenAI-compatible base URL, e.g. http://127.0.0.1:8011/v1.")
-        loader.add_option("polar_db", str, "polar.duckdb", "The DuckDB file every exchange is committed to.")
-        loader.add_option("polar_engine", str, "vllm", "The engine kind behind polar_upstream: vllm or sglang.")
-        loader.add_option("polar_engine_model", str, "", "The engine's served model name; empty: discovered from its /models.")
-        loader.add_option(
-            "polar_split_reasoning",
-            bool,
-            False,
-            "Split a leading <think>...</think> out of the engine's content into reasoning, for engines served without a reasoning parser.",
-        )
-        loader.add_option("polar_engine_timeout", float, 600.0, "Seconds to wait for one engine call before answering 504.")
-        loader.add_option(
-            "polar_model_map",
-            Sequence[str],
-            [],
-            "Which requested model names are served, as glob patterns, optionally '=ENGINE_MODEL'. Empty: every name is served by the engine's model; otherwise an unmatched name gets a 404 in the provider's shape.",
-        )
-        loader.add_option("polar_require_auth", bool, False, "Answer 407 to requests without valid session credentials in the proxy URL.")
-        loader.add_option(
-            "polar_passthrough",
-            Sequence[str],
-            [],
-            "Hosts (glob patterns) whose non-model traffic is forwarded to the real network. Empty: every non-model request is answered locally with a 404.",
-        )
-        loader.add_option(
-            "polar_engine_hook",
-            str,
-            "",
-            "A function 'module:name' or 'path/to/file.py:name' called as hook(engine_request, context) before each engine call; it may return a changed request (e.g. sampling params, structured outputs). The row records the request as sent.",
-        )
-        loader.add_option("polar_sql_port", int, 0, "Loopback port of the read-only SQL endpoint for other processes (0: any free port).")
+        options.declare(loader)  # polar_<name> for each row of gateway/options.py
 
     def configure(self, updated: set[str]) -> None:
         if ctx.options.connection_strategy != "lazy":
@@ -97,7 +68,10 @@ class PolarAddon:
                     raise exceptions.OptionsError(f"polar_model_map entry {entry!r} has no pattern")
                 self.model_map.append((pattern, target or None))
         if "polar_engine_hook" in updated:
-            self.engine_hook = load_hook(ctx.options.polar_engine_hook) if ctx.options.polar_engine_hook else None
+            try:
+                self.engine_hook = load_function(ctx.options.polar_engine_hook) if ctx.options.polar_engine_hook else None
+            except ConfigError as error:
+                raise exceptions.OptionsError(f"polar_engine_hook: {error}") from error
         if "polar_db" in updated or self.store is None:
             if self.store is not None:
                 self.store.close()
@@ -323,21 +297,3 @@ def _peek_model(body: bytes, path: str) -> str | None:
         return None
     model = data.get("model") if isinstance(data, dict) else None
     return model if isinstance(model, str) else None
-
-
-def load_hook(spec: str) -> Callable[..., Any]:
-    target, sep, name = spec.rpartition(":")
-    if not sep or not target or not name:
-        raise exceptions.OptionsError(f"polar_engine_hook must be 'module:function' or 'file.py:function', got {spec!r}")
-    if target.endswith(".py"):
-        module_spec = importlib.util.spec_from_file_location(f"polar_engine_hook_{abs(hash(target))}", target)
-        if module_spec is None or module_spec.loader is None:
-            raise exceptions.OptionsError(f"cannot load engine hook file {target!r}")
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(target)
-    hook = getattr(module, name, None)
-    if not callable(hook):
-        raise exceptions.OptionsError(f"engine hook {spec!r} is not a function")
-    return hook

@@ -1,7 +1,7 @@
 """Harness presets: how to run each real agent harness headless, quiet and offline-safe behind the gateway.
 
 A preset never changes where a harness thinks it sends model calls: the proxy settings of `polar-mitm run`
-(or `polar_mitm.run_cli.proxy_environment`) do the routing; the preset only turns off telemetry and update
+(or `polar_mitm.routing.proxy_environment`) do the routing; the preset only turns off telemetry and update
 checks, opens tool permissions for a headless run, maps model aliases and writes the config files the
 harness reads from its HOME. The whole interface:
 

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from polar_mitm import run_cli
+from polar_mitm import routing
 from polar_mitm.harnesses import Harness
 from polar_mitm.rollout.models import Agent, Runtime, Upload
 
@@ -61,7 +61,7 @@ class Sandbox(abc.ABC):
 
     def proxy_environment(self, base: Mapping[str, str]) -> dict[str, str]:
         """`base` routed through the gateway as this session (host view: loopback URL, CA bundle in the confdir)."""
-        return run_cli.proxy_environment(self.id, self.spec.gateway.confdir, self.spec.gateway.url, base=base)
+        return routing.proxy_environment(self.id, self.spec.gateway.confdir, self.spec.gateway.url, base=base)
 
     @abc.abstractmethod
     async def start(self) -> None: ...

@@ -1,4 +1,8 @@
-"""The `polar-mitm` command. Each feature module registers its own sub-command."""
+"""The `polar-mitm` command. Each feature module registers its own sub-command.
+
+Each module of this package registers one sub-command and stays thin: it parses flags and calls library code
+(gateway, store, assembler, rollout, debug, routing), which never imports it.
+"""
 
 from __future__ import annotations
 
@@ -8,20 +12,21 @@ import os
 import sys
 
 # module path -> it exposes register(subparsers); keeps this file free of feature logic
+# imported only to build the parser: each command's heavy imports happen inside its function
 COMMAND_MODULES = [
-    "polar_mitm.local_engine.cli",
-    "polar_mitm.gateway.cli",
-    "polar_mitm.store_cli",
-    "polar_mitm.diff_cli",
-    "polar_mitm.run_cli",
-    "polar_mitm.demo",
-    "polar_mitm.assembler.cli",
-    "polar_mitm.rollout.cli",
+    "polar_mitm.cli.engine",
+    "polar_mitm.cli.gateway",
+    "polar_mitm.cli.sql",
+    "polar_mitm.cli.diff",
+    "polar_mitm.cli.run",
+    "polar_mitm.cli.demo",
+    "polar_mitm.cli.assemble",
+    "polar_mitm.cli.rollout",
 ]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="polar-mitm", description=__doc__)
+    parser = argparse.ArgumentParser(prog="polar-mitm", description=__doc__.split("\n\n")[0])
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(subparsers)
@@ -47,7 +52,3 @@ def _run_optimized() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(sys.executable, [sys.executable, "-O", *sys.orig_argv[1:]])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

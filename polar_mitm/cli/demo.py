@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,17 +25,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=_demo)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _demo(args: argparse.Namespace) -> int:
     import openai
 
     from polar_mitm import session, store
-    from polar_mitm.store_cli import format_table
+    from polar_mitm.debug.tables import format_table
+    from polar_mitm.util import free_port
 
     engine_url = args.engine_url
     if not engine_url:
@@ -45,7 +39,7 @@ def _demo(args: argparse.Namespace) -> int:
         print("demo: starting the local engine (first run builds it; later runs reuse it)...", flush=True)
         engine_url = LocalEngine().start()
     confdir = Path(tempfile.mkdtemp(prefix="polar-demo-"))
-    port = _free_port()
+    port = free_port()
     gateway = subprocess.Popen(
         [sys.executable, "-m", "polar_mitm.cli", "gateway", "--port", str(port), "--upstream", engine_url, "--db", str(args.db), "--confdir", str(confdir)],
         start_new_session=True,
