@@ -7,6 +7,7 @@ built-in (`RuntimeError`, `ValueError`) still do, so callers written against tho
     ├── ConfigError            a bad option or flag value, found before anything is opened
     ├── DialectError           a request the gateway refuses, rendered in the called provider's shape
     ├── EngineError            the inference engine failed an exchange; `status_class` goes on the row
+    ├── CallAbandoned          an engine call cancelled because nobody waits for it (client gone, gateway stopping)
     ├── LocalEngineError       starting/stopping the bundled local engine (EngineBuildError: building it)
     ├── HarnessNotInstalled    a harness binary is missing
     ├── RunError               `polar-mitm run` cannot reach or trust its gateway
@@ -47,6 +48,16 @@ class EngineError(PolarError):
         self.message = message
         self.http_status = http_status
         self.engine_body = engine_body
+
+
+class CallAbandoned(PolarError):
+    """An engine call the gateway cancelled: its client went away (`client_disconnected`) or the gateway is
+    stopping (`gateway_shutdown`); `status_class` goes on the row."""
+
+    def __init__(self, status_class: str, message: str):
+        super().__init__(message)
+        self.status_class = status_class
+        self.message = message
 
 
 class LocalEngineError(PolarError, RuntimeError):

@@ -4,17 +4,20 @@ The process gets HTTPS_PROXY/HTTP_PROXY pointing at the gateway with the session
 for loopback, and a CA bundle (the gateway's mitmproxy CA + the system CAs) in every variable runtimes read
 (SSL_CERT_FILE, NODE_EXTRA_CA_CERTS, REQUESTS_CA_BUNDLE, CURL_CA_BUNDLE, CODEX_CA_CERTIFICATE), overriding
 any already set. Model base URLs are left alone: requests go to the provider's own host, through the proxy.
-Which gateway: `gateway_url()` (explicit, $POLAR_MITM_GATEWAY, the file a running gateway leaves in its
-confdir, else the default port). Used by `polar-mitm run`, the rollout runtimes and the gateway (GATEWAY_FILE).
+Which gateway: `find_gateway()` (explicit, $POLAR_MITM_GATEWAY, the live gateways listed in their confdir's
+GATEWAY_FILE, else the default port). Used by `polar-mitm run`, the rollout runtimes and the gateway (GATEWAY_FILE).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import ssl
 import tempfile
-from collections.abc import Mapping
+import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -23,7 +26,8 @@ from polar_mitm.errors import RunError
 from polar_mitm.gateway.options import DEFAULT_CONFDIR
 
 DEFAULT_GATEWAY = "http://127.0.0.1:8080"
-# a gateway may leave its URL here so that `polar-mitm run` needs no --gateway
+# each running gateway lists itself here, so that `polar-mitm run` needs no --gateway:
+# {"gateways": {URL: {"pid", "db", "started_at"}}, "url": the newest one's URL (what older readers took)}
 GATEWAY_FILE = "polar-gateway.json"
 CA_FILE = "mitmproxy-ca-cert.pem"
 BUNDLE_FILE = "polar-mitm-ca-bundle.pem"
@@ -39,18 +43,90 @@ SYSTEM_BUNDLES = (
 
 
 def gateway_url(confdir: str | Path, explicit: str | None = None) -> str:
-    """--gateway, else $POLAR_MITM_GATEWAY, else the URL the gateway left in its confdir, else the default port."""
+    """--gateway, else $POLAR_MITM_GATEWAY, else the newest live gateway listed in the confdir, else the default port."""
+    return find_gateway(confdir, explicit)[0]
+
+
+def find_gateway(confdir: str | Path, explicit: str | None = None) -> tuple[str, str]:
+    """(the gateway URL, where it came from), as `gateway_url()` picks it."""
     if explicit:
-        return explicit
+        return explicit, "--gateway"
     if env := os.environ.get("POLAR_MITM_GATEWAY"):
-        return env
+        return env, "$POLAR_MITM_GATEWAY"
     marker = Path(confdir).expanduser() / GATEWAY_FILE
-    if marker.exists():
-        try:
-            return json.loads(marker.read_text())["url"]
-        except (ValueError, KeyError, TypeError) as error:
-            raise RunError(f"{marker} is not a gateway file with a 'url': {error}") from error
-    return DEFAULT_GATEWAY
+    live = _live_gateways(_read_gateways(marker))
+    if not live:
+        return DEFAULT_GATEWAY, f"the default (no live gateway listed in {marker})"
+    newest = max(live, key=lambda url: live[url].get("started_at", 0))
+    others = f"; also live there: {', '.join(sorted(set(live) - {newest}))}" if len(live) > 1 else ""
+    return newest, f"the newest live gateway in {marker} (pid {live[newest].get('pid')}, store {live[newest].get('db')}){others}"
+
+
+def announce_gateway(confdir: str | Path, url: str, db: Path) -> Path:
+    """List a running gateway (this process) in its confdir's GATEWAY_FILE, beside the other live ones."""
+    marker = Path(confdir).expanduser() / GATEWAY_FILE
+    with _locked(marker):
+        gateways = _live_gateways(_read_gateways(marker))
+        gateways[url] = {"pid": os.getpid(), "db": str(db), "started_at": time.time()}
+        _write_gateways(marker, gateways)
+    return marker
+
+
+def withdraw_gateway(marker: Path, url: str) -> None:
+    """Take one gateway out of the file again; the others stay listed."""
+    with _locked(marker):
+        gateways = _live_gateways(_read_gateways(marker))
+        gateways.pop(url, None)
+        _write_gateways(marker, gateways)
+
+
+@contextlib.contextmanager
+def _locked(marker: Path) -> Iterator[None]:
+    with open(marker.with_name(marker.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _read_gateways(marker: Path) -> dict[str, dict]:
+    try:
+        data = json.loads(marker.read_text())
+    except FileNotFoundError:
+        return {}
+    except ValueError as error:
+        raise RunError(f"{marker} is not a gateway file: {error}") from error
+    if not isinstance(data, dict):
+        raise RunError(f"{marker} is not a gateway file")
+    gateways = data.get("gateways")
+    if isinstance(gateways, dict):
+        return gateways
+    # the older one-gateway file
+    return {data["url"]: {"pid": data.get("pid"), "db": data.get("db")}} if isinstance(data.get("url"), str) else {}
+
+
+def _write_gateways(marker: Path, gateways: dict[str, dict]) -> None:
+    if not gateways:
+        marker.unlink(missing_ok=True)
+        return
+    newest = max(gateways, key=lambda url: gateways[url].get("started_at", 0))
+    with tempfile.NamedTemporaryFile("w", dir=marker.parent, prefix=".gateways-", delete=False) as tmp:
+        json.dump({"url": newest, "gateways": gateways}, tmp)
+    os.replace(tmp.name, marker)
+
+
+def _live_gateways(gateways: dict[str, dict]) -> dict[str, dict]:
+    return {url: entry for url, entry in gateways.items() if _alive(entry.get("pid"))}
+
+
+def _alive(pid: object) -> bool:
+    if not isinstance(pid, int):
+        return True  # an older file without a pid: trust it
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def system_ca_bundle(env: Mapping[str, str] | None = None) -> Path | None:

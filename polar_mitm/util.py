@@ -6,6 +6,7 @@ import importlib
 import importlib.util
 import socket
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from polar_mitm.errors import ConfigError
@@ -28,18 +29,26 @@ def listening(port: int, host: str = "127.0.0.1", timeout: float = 0.2) -> bool:
 def load_function(spec: str) -> Callable[..., Any]:
     """The function named by 'module:name' or 'path/to/file.py:name' (engine hooks, Python evaluators).
 
-    Raises ConfigError for a malformed spec or a name that is not callable; the module's own import errors pass."""
+    Raises ConfigError for a malformed spec, a missing file or module, or a name that is not callable; the module's
+    own import errors pass."""
     target, sep, name = spec.rpartition(":")
     if not sep or not target or not name:
         raise ConfigError(f"must be 'module:function' or 'file.py:function', got {spec!r}")
     if target.endswith(".py"):
+        if not Path(target).is_file():
+            raise ConfigError(f"no file {target!r} (relative to {Path.cwd()})")
         module_spec = importlib.util.spec_from_file_location(f"polar_hook_{abs(hash(target))}", target)
         if module_spec is None or module_spec.loader is None:
             raise ConfigError(f"cannot load file {target!r}")
         module = importlib.util.module_from_spec(module_spec)
         module_spec.loader.exec_module(module)
     else:
-        module = importlib.import_module(target)
+        try:
+            module = importlib.import_module(target)
+        except ModuleNotFoundError as error:
+            if error.name != target.split(".")[0] and error.name != target:
+                raise  # the module's own import failed
+            raise ConfigError(f"no module {target!r}") from error
     function = getattr(module, name, None)
     if not callable(function):
         raise ConfigError(f"{spec!r} is not a function")

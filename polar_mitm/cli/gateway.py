@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from polar_mitm.gateway import options
 
@@ -14,8 +15,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _gateway(args: argparse.Namespace) -> int:
+    from mitmproxy.exceptions import OptionsError
+
     from polar_mitm.gateway import server
     from polar_mitm.gateway.config import GatewayConfig
 
-    server.run(GatewayConfig(**options.from_arguments(args)))
+    try:
+        server.run(GatewayConfig(**options.from_arguments(args)))
+    except OptionsError as error:
+        # the addon checks values before it opens anything: nothing was written
+        print(f"polar-mitm gateway: {options.flag_message(str(error))}", file=sys.stderr)
+        return 2
     return 0

@@ -215,6 +215,9 @@ class Engine:
             payload = {"text": text[:4000]}
         if status >= 500:
             raise EngineError("engine_error", f"the inference engine failed with HTTP {status}: {_engine_message(payload)}", 502, payload)
+        if status == 404 and path == "/models" and not root:
+            # a server, but no OpenAI API at this URL: typically the base URL without its /v1
+            raise EngineError("engine_url_wrong", f"{url} answered 404: the engine URL must be its OpenAI-compatible API root, e.g. http://127.0.0.1:8011/v1", 503, payload)
         if status >= 400:
             # the engine refused this request (context too long, bad tool schema...): the client's to fix
             raise EngineError("engine_rejected", f"the inference engine rejected the request: {_engine_message(payload)}", 400, payload)

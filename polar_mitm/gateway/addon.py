@@ -6,33 +6,39 @@ call, token ids + logprobs) -> store (committed) -> dialect (the provider's JSON
 
 from __future__ import annotations
 
+import asyncio
 import fnmatch
 import gc
 import json
 import logging
-import os
 import time
 import uuid
 import weakref
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from mitmproxy import ctx, exceptions, http
+from mitmproxy.connection import ConnectionState
 
 from polar_mitm import dialects, redact, session
 from polar_mitm.engines import make_engine
 from polar_mitm.engines.base import Engine
-from polar_mitm.errors import ConfigError
+from polar_mitm.errors import CallAbandoned, ConfigError
 from polar_mitm.exchange import DialectError, EngineError, ParsedRequest
 from polar_mitm.gateway import options
-from polar_mitm.routing import GATEWAY_FILE
+from polar_mitm import routing
 from polar_mitm.store import ExchangeRow, Store, now
 from polar_mitm.util import load_function
 
 log = logging.getLogger("polar_mitm.gateway")
 
-
+T = TypeVar("T")
+# how often an exchange waiting on the engine looks whether its client is still there: mitmproxy queues the
+# client's disconnect until our request hook returns, so the hook has to look itself
+CLIENT_CHECK_S = 0.25
+# at a clean stop, how long calls cancelled on the engine get to commit their rows before the store closes
+SHUTDOWN_COMMIT_S = 10.0
 
 class PolarAddon:
     def __init__(self) -> None:
@@ -41,8 +47,13 @@ class PolarAddon:
         self.secret: bytes = b""
         self.sessions_by_connection: weakref.WeakKeyDictionary[Any, tuple[str, str] | None] = weakref.WeakKeyDictionary()
         self.model_map: list[tuple[str, str | None]] = []
-        self.announced: Path | None = None
+        self.announced: tuple[Path, str] | None = None  # GATEWAY_FILE and our entry in it
         self.engine_hook: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any] | None] | None = None
+        self.engine_calls: set[asyncio.Future[Any]] = set()  # in flight; cancelled at a clean stop
+        self.open_exchanges = 0  # started and not yet committed
+        self.all_committed = asyncio.Event()  # set while open_exchanges is 0
+        self.all_committed.set()
+        self.started = asyncio.Event()  # the store is open: running() is through
 
     def load(self, loader: Any) -> None:
         options.declare(loader)  # polar_<name> for each row of gateway/options.py
@@ -72,44 +83,77 @@ class PolarAddon:
                 self.engine_hook = load_function(ctx.options.polar_engine_hook) if ctx.options.polar_engine_hook else None
             except ConfigError as error:
                 raise exceptions.OptionsError(f"polar_engine_hook: {error}") from error
-        if "polar_db" in updated or self.store is None:
-            if self.store is not None:
-                self.store.close()
-            self.store = Store(ctx.options.polar_db)
-            self.store.serve_sql(ctx.options.polar_sql_port)
+        if "polar_db" in updated and self.store is not None:
+            # changed while running (mitmweb's options): move to the new store; before running() nothing is
+            # opened, so a bad option value leaves no file behind
+            self.store.close()
+            self.store = None
+            self._open_store()
         if "confdir" in updated or not self.secret:
             self.secret = session.load_secret(ctx.options.confdir)
 
+    def _open_store(self) -> None:
+        db = Path(ctx.options.polar_db)
+        try:
+            self.store = Store(db)
+            self.store.serve_sql(ctx.options.polar_sql_port)
+        except Exception as error:  # noqa: BLE001 - a startup failure, told in one line (errorcheck exits)
+            if self.store is not None:
+                self.store.close()
+                self.store = None
+            log.error(f"cannot open the store {db.resolve()}: {_one_line(error)}")
+
     async def running(self) -> None:
+        model = None
+        if self.engine is None:
+            log.warning("polar: no polar_upstream set; model calls will be answered 503")
+        else:
+            try:
+                model = await self.engine.discover()
+            except EngineError as error:
+                if error.status_class == "engine_url_wrong":
+                    # the engine is there but this is not its API root: every call would fail the same way
+                    log.error(f"--upstream {self.engine.base_url}: {error.message}")
+                    return  # errorcheck stops the gateway, before the store is opened
+                # not fatal: the engine may come up later; each call retries discovery
+                log.warning(f"polar: {error.message}")
+        self._open_store()
+        if self.store is None:
+            return  # errorcheck stops the gateway with the logged cause
+        self.started.set()
         self._announce()
         # everything alive now (mitmproxy, its certificates, our modules) lives as long as the proxy: out of the
         # collector's view, a full collection no longer walks it; those had paused the event loop for 50-90 ms
         gc.freeze()
-        if self.engine is None:
-            log.warning("polar: no polar_upstream set; model calls will be answered 503")
-            return
-        try:
-            model = await self.engine.discover()
-            log.info(f"polar: engine {self.engine.base_url} serves {model!r}")
-        except EngineError as error:
-            # not fatal: the engine may come up later; each call retries discovery
-            log.warning(f"polar: {error.message}")
+        engine = f"{self.engine.kind} {self.engine.base_url} serving {model!r}" if self.engine and model else (f"{self.engine.kind} {self.engine.base_url} (not answering yet)" if self.engine else "none")
+        # printed, not logged: without -v this is the one line that says the gateway is up
+        print(f"polar-mitm gateway: listening on {self.proxy_url()}, store {Path(ctx.options.polar_db).resolve()}, engine {engine}", flush=True)
 
-    def _announce(self) -> None:
-        """Leave the proxy URL in the confdir, so `polar-mitm run` finds this gateway without flags."""
+    def proxy_url(self) -> str | None:
         proxyserver = ctx.master.addons.get("proxyserver")
         addresses = proxyserver.listen_addrs() if proxyserver else []
         if not addresses:
-            return
+            return None
         host, port = addresses[0][:2]
         host = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
-        path = Path(ctx.options.confdir).expanduser() / GATEWAY_FILE
-        path.write_text(json.dumps({"url": f"http://{host}:{port}", "pid": os.getpid(), "db": str(Path(ctx.options.polar_db).resolve())}))
-        self.announced = path
+        return f"http://{host}:{port}"
+
+    def _announce(self) -> None:
+        """Leave the proxy URL in the confdir, so `polar-mitm run` finds this gateway without flags."""
+        if url := self.proxy_url():
+            self.announced = (routing.announce_gateway(ctx.options.confdir, url, Path(ctx.options.polar_db).resolve()), url)
 
     async def done(self) -> None:
         if self.announced is not None:
-            self.announced.unlink(missing_ok=True)
+            routing.withdraw_gateway(*self.announced)
+        # a clean stop cancels the calls in flight (the engine aborts them) and records them gateway_shutdown
+        for call in list(self.engine_calls):
+            call.cancel()
+        if self.open_exchanges:
+            try:
+                await asyncio.wait_for(self.all_committed.wait(), SHUTDOWN_COMMIT_S)
+            except TimeoutError:
+                log.error(f"polar: {self.open_exchanges} exchanges were not committed within {SHUTDOWN_COMMIT_S:g}s of the stop")
         if self.engine is not None:
             await self.engine.close()
         if self.store is not None:
@@ -163,6 +207,19 @@ class PolarAddon:
         flow.metadata["polar_local"] = True
 
     async def _exchange(self, flow: http.HTTPFlow, dialect: Any, path: str) -> None:
+        # mitmproxy listens before running(): a call that early waits for the store
+        await self.started.wait()
+        assert self.store is not None
+        self.open_exchanges += 1
+        self.all_committed.clear()
+        try:
+            await self._exchange_committed(flow, dialect, path)
+        finally:
+            self.open_exchanges -= 1
+            if not self.open_exchanges:
+                self.all_committed.set()
+
+    async def _exchange_committed(self, flow: http.HTTPFlow, dialect: Any, path: str) -> None:
         assert self.store is not None
         session_id = flow.metadata.get("polar_session") or session.DEFAULT_SESSION
         headers = list(flow.request.headers.items(multi=True))
@@ -193,7 +250,14 @@ class PolarAddon:
         try:
             parsed = dialect.parse(raw_body, path, dict(query))
             row.update(model_requested=parsed.model, stream=parsed.stream, ignored_fields=parsed.ignored, normalizations=parsed.normalizations, action=parsed.action)
-            status_code, content_type, body, body_json = await self._serve(parsed, dialect, row)
+            status_code, content_type, body, body_json = await self._while_client_waits(flow, self._serve(parsed, dialect, row))
+            if gone := _client_gone(flow):
+                # the reply came back too late for its client: kept, but it never reached the harness
+                row.update(status="client_disconnected", error=gone)
+        except CallAbandoned as error:
+            row.update(status=error.status_class, error=error.message)
+            http_status = 499 if error.status_class == "client_disconnected" else 503
+            status_code, content_type, body, body_json = self._error(dialect, DialectError(http_status, error.status_class, error.message))
         except DialectError as error:
             row.update(status="bad_request" if error.status < 500 else "internal_error", error=error.message)
             status_code, content_type, body, body_json = self._error(dialect, error)
@@ -218,6 +282,30 @@ class PolarAddon:
             body,
             {"content-type": content_type, "x-polar-exchange-id": row["exchange_id"], "x-polar-session-id": session_id, **({"cache-control": "no-cache"} if content_type.startswith("text/event-stream") else {})},
         )
+
+    async def _while_client_waits(self, flow: http.HTTPFlow, call: Awaitable[T]) -> T:
+        """Await `call` (the engine's part of an exchange) while its client still waits for the answer.
+
+        When the client goes away (its connection closed, or the flow killed in mitmweb), or the gateway stops,
+        the call is cancelled, which closes its engine connection: vLLM and SGLang abort a request whose
+        connection closed. Raises CallAbandoned saying which; the row keeps what the call had recorded so far."""
+        task = asyncio.ensure_future(call)
+        self.engine_calls.add(task)
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=CLIENT_CHECK_S)
+                if not task.done() and (gone := _client_gone(flow)):
+                    task.cancel()
+                    await asyncio.wait({task})
+                    raise CallAbandoned("client_disconnected", f"{gone}; the engine call was cancelled")
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        finally:
+            self.engine_calls.discard(task)
+        if task.cancelled():  # only done() cancels it: a clean stop
+            raise CallAbandoned("gateway_shutdown", "the gateway was stopped while the engine worked on this call; the engine call was cancelled")
+        return task.result()
 
     async def _serve(self, parsed: ParsedRequest, dialect: Any, row: ExchangeRow) -> tuple[int, str, bytes, Any]:
         if self.engine is None:
@@ -279,6 +367,20 @@ class PolarAddon:
 def _proxy_auth_required() -> http.Response:
     body = json.dumps({"error": {"message": "polar-mitm: proxy credentials missing or invalid; use http://SESSION:TOKEN@host:port (see `polar-mitm run`)", "type": "proxy_authentication_required"}})
     return http.Response.make(407, body, {"Proxy-Authenticate": 'Basic realm="polar-mitm"', "content-type": "application/json"})
+
+
+def _client_gone(flow: http.HTTPFlow) -> str | None:
+    """Why nobody will read this flow's response any more, or None while its client still waits."""
+    if flow.error is not None:
+        return f"the flow was ended by the proxy: {flow.error.msg}"
+    if not flow.client_conn.state & ConnectionState.CAN_READ:
+        # mitmproxy stops reading a client connection only when the client closed it
+        return "the client closed its connection before the reply"
+    return None
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
 
 
 def _int_or_none(value: str | None) -> int | None:

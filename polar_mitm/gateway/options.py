@@ -157,6 +157,14 @@ def add_arguments(parser: argparse.ArgumentParser, exclude: Iterable[str] = (), 
         parser.add_argument(*flags, **{k: v for k, v in kwargs.items() if v is not None or k == "default"})
 
 
+def flag_message(message: str) -> str:
+    """An option error as the command line user sees it: `polar_<name>` becomes its flag, in one line."""
+    for option in sorted(OPTIONS, key=lambda o: -len(o.name)):
+        if option.cli:
+            message = message.replace(option.mitmproxy_name, option.flag_names[-1])
+    return " ".join(message.split())
+
+
 def from_arguments(args: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
     """The option values `add_arguments(..., prefix=prefix)` parsed, as GatewayConfig keyword arguments."""
     return {option.name: getattr(args, prefix + option.name) for option in OPTIONS if hasattr(args, prefix + option.name)}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sys
 from pathlib import Path
 
 from mitmproxy import master as mitmproxy_master
@@ -22,7 +23,38 @@ def gateway_addons() -> list:
     The rest of mitmdump's 34 (flow rewriting, playback, cookies, export, ...) take options the gateway does not
     expose and cost every flow ~20 us each just to be asked; mitmweb (--web) keeps them all, for debugging.
     """
-    return [core.Core(), block.Block(), disable_h2c.DisableH2C(), proxyserver.Proxyserver(), dns_resolver.DnsResolver(), next_layer.NextLayer(), tlsconfig.TlsConfig(), errorcheck.ErrorCheck()]
+    return [core.Core(), block.Block(), disable_h2c.DisableH2C(), proxyserver.Proxyserver(), dns_resolver.DnsResolver(), next_layer.NextLayer(), tlsconfig.TlsConfig(), StartupCheck()]
+
+
+class StartupCheck(errorcheck.ErrorCheck):
+    """mitmproxy's startup check (exit 1 when an error was logged while starting), saying the cause in one line
+    per error, with or without -v, instead of `Error logged during startup, exiting...`."""
+
+    name = "errorcheck"  # the name mitmproxy's Master.run looks it up by
+
+    async def shutdown_if_errored(self) -> None:
+        await asyncio.sleep(0)  # let pending log records arrive, as mitmproxy's does
+        if self.logger.has_errored:
+            for record in self.logger.has_errored:
+                print(f"polar-mitm gateway: {startup_message(record.getMessage())}", file=sys.stderr, flush=True)
+            sys.exit(1)
+
+
+def startup_message(message: str) -> str:
+    """An error's cause in one line, without mitmproxy's hints for flags `polar-mitm gateway` does not take."""
+    lines = [line.strip() for line in message.splitlines() if line.strip() and not line.lstrip().startswith("Try specifying a different port")]
+    if lines and lines[0].startswith("Addon error: "):
+        lines = lines[:1]  # the traceback follows
+    return " ".join(lines).removeprefix("Addon error: ")
+
+
+class _NoModeHint(logging.Filter):
+    """Drop mitmproxy's `--mode regular@PORT` hint from the port-in-use message (-v prints it too)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and "--mode " in record.msg:
+            record.msg = startup_message(record.msg)
+        return True
 
 
 def make_master(config: GatewayConfig):
@@ -64,4 +96,5 @@ def run(config: GatewayConfig) -> None:
     logging.getLogger().setLevel(logging.INFO)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     logging.getLogger("tornado").setLevel(logging.WARNING)
+    logging.getLogger("mitmproxy.addons.proxyserver").addFilter(_NoModeHint())
     asyncio.run(serve(config))

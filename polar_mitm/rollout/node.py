@@ -77,7 +77,7 @@ class InProcessGateway:
         while time.monotonic() < deadline:
             if self.failure is not None or not self.thread.is_alive():
                 raise RuntimeError(f"the gateway did not start: {self.failure!r}")
-            if created.is_set() and ca.exists() and listening(self.config.port):
+            if created.is_set() and ca.exists() and listening(self.config.port) and self.master.addons.get("polaraddon").started.is_set():
                 return
             time.sleep(0.05)
         raise TimeoutError(f"the gateway did not listen on 127.0.0.1:{self.config.port} within {timeout:.0f}s")
