@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from polar_mitm import store
+from polar_mitm.util import free_port
 from tests.gatewayproc import Gateway
 
 REPO = Path(__file__).resolve().parents[1]
@@ -136,3 +137,113 @@ def test_stopping_the_gateway_with_a_call_in_flight_records_gateway_shutdown(mak
     assert row["status"] == "gateway_shutdown", row["error"]
     assert "engine_unreachable" not in (row["error"] or "") and "stopped" in row["error"]
     assert row["http_status"] == 503
+
+
+# -- startup and option errors
+
+
+def gateway_args(port: int, confdir: Path, upstream: str, db: str = "mine.duckdb") -> list[str]:
+    return ["gateway", "--port", str(port), "--upstream", upstream, "--db", db, "--confdir", str(confdir)]
+
+
+def one_line(result: subprocess.CompletedProcess) -> str:
+    output = (result.stdout + result.stderr).strip()
+    assert "Traceback" not in output and len(output.splitlines()) == 1, output
+    return output
+
+
+@pytest.mark.parametrize(
+    "flag, value, says",
+    [
+        ("--upstream", "notaurl", "--upstream must be an http(s) URL"),
+        ("--engine-hook", "hook.py:nope", "--engine-hook: 'hook.py:nope' is not a function"),
+        ("--engine-hook", "missing.py:steer", "--engine-hook: no file 'missing.py'"),
+        ("--engine-hook", "no_such_module_here:steer", "--engine-hook: no module 'no_such_module_here'"),
+    ],
+)
+def test_a_bad_option_value_is_one_line_naming_the_flag_and_nothing_is_written(tmp_path: Path, engine_url: str, flag: str, value: str, says: str) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "hook.py").write_text("def steer(request, context):\n    return request\n")
+    args = gateway_args(free_port(), tmp_path / "confdir", value if flag == "--upstream" else engine_url)
+    result = cli(*args, *([flag, value] if flag != "--upstream" else []), cwd=work)
+    assert result.returncode == 2
+    assert says in one_line(result)
+    assert sorted(p.name for p in work.iterdir()) == ["hook.py"]  # no polar.duckdb, mine.duckdb, .wal, .control.json
+
+
+def test_an_upstream_without_v1_fails_at_start_saying_the_expected_url(tmp_path: Path, engine_url: str) -> None:
+    root = engine_url.removesuffix("/v1")
+    result = cli(*gateway_args(free_port(), tmp_path / "confdir", root), cwd=tmp_path)
+    assert result.returncode == 1
+    line = one_line(result)
+    assert f"--upstream {root}" in line and "e.g. http://127.0.0.1:8011/v1" in line
+    assert not list(tmp_path.glob("mine.duckdb*"))
+
+
+@pytest.mark.parametrize("verbose", [False, True], ids=["quiet", "verbose"])
+def test_a_port_in_use_is_said_in_one_line_without_a_mode_hint_and_nothing_is_written(tmp_path: Path, engine_url: str, verbose: bool) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = cli(*gateway_args(port, tmp_path / "confdir", engine_url), *(["-v"] if verbose else []), cwd=tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1
+    assert f"polar-mitm gateway: [Errno 98] HTTP(S) proxy failed to listen on 127.0.0.1:{port}" in output and "address already in use" in output
+    assert "--mode" not in output and "Error logged during startup" not in output
+    if not verbose:
+        one_line(result)
+    assert not list(tmp_path.glob("mine.duckdb*"))
+
+
+def test_a_second_gateway_on_the_same_store_says_so_and_leaves_the_first_alone(make_gateway, tmp_path: Path, engine_url: str) -> None:
+    first = make_gateway()
+    control = store.control_file(first.db).read_text()
+    result = cli(*gateway_args(free_port(), tmp_path / "confdir", engine_url, db=str(first.db)), cwd=tmp_path)
+    assert result.returncode == 1
+    line = one_line(result)
+    assert f"cannot open the store {first.db}" in line and "lock" in line
+    assert store.control_file(first.db).read_text() == control  # still the first gateway's SQL endpoint
+    assert first.rows("SELECT count(*) AS n FROM exchanges")[0]["n"] >= 0
+
+
+def test_a_store_directory_it_cannot_write_is_said_in_one_line(tmp_path: Path, engine_url: str) -> None:
+    if os.geteuid() == 0:
+        db = "/sys/polar.duckdb"  # root writes through file modes; sysfs is read-only to everyone
+    else:
+        (tmp_path / "ro").mkdir(mode=0o555)
+        db = str(tmp_path / "ro" / "polar.duckdb")
+    result = cli(*gateway_args(free_port(), tmp_path / "confdir", engine_url, db=db), cwd=tmp_path)
+    assert result.returncode == 1
+    line = one_line(result)
+    assert f"cannot open the store {db}" in line and "Permission denied" in line
+
+
+def test_a_start_says_where_it_listens_the_store_and_the_engines_model_and_a_sigkill_leaves_nothing_stale(tmp_path: Path, engine_url: str) -> None:
+    port = free_port()
+    confdir = tmp_path / "confdir"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+
+    def start() -> tuple[subprocess.Popen, str]:
+        process = subprocess.Popen([POLAR_MITM, *gateway_args(port, confdir, engine_url)], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        return process, process.stdout.readline().strip()
+
+    process, line = start()
+    assert line == f"polar-mitm gateway: listening on http://127.0.0.1:{port}, store {tmp_path / 'mine.duckdb'}, engine vllm {engine_url} serving 'qwen3-tiny'"
+    control = store.control_file(tmp_path / "mine.duckdb")
+    assert json.loads(control.read_text())["pid"] == process.pid
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    assert control.exists()  # what a SIGKILL leaves; readers see its pid is dead and open the file themselves
+    counted = cli("sql", "--db", "mine.duckdb", "--json", "SELECT count(*) AS n FROM exchanges", cwd=tmp_path)
+    assert counted.returncode == 0 and json.loads(counted.stdout.splitlines()[0]) == {"n": 0}, counted.stderr
+    # the next start takes over: its own endpoint in the control file; a clean stop leaves only the store
+    process, line = start()
+    assert line.startswith("polar-mitm gateway: listening on")
+    assert json.loads(control.read_text())["pid"] == process.pid
+    os.killpg(process.pid, signal.SIGTERM)
+    assert process.wait(timeout=30) == 0
+    assert not control.exists() and not (tmp_path / "mine.duckdb.wal").exists()
