@@ -170,6 +170,32 @@ def proxy_url(gateway: str, confdir: str | Path, session_id: str) -> str:
     return f"http://{session_id}:{token}@{host}:{parts.port or 80}"
 
 
+def check_gateway(proxy: str, timeout: float = 5.0) -> None:
+    """Ask the gateway to open a tunnel with these proxy credentials, as a harness's first request would; RunError
+    says why it would not serve them (nothing listening, or a 407: credentials of another confdir's secret)."""
+    import base64
+    import socket
+
+    parts = urlsplit(proxy)
+    credentials = base64.b64encode(f"{parts.username}:{parts.password}".encode()).decode()
+    request = f"CONNECT api.openai.com:443 HTTP/1.1\r\nHost: api.openai.com:443\r\nProxy-Authorization: Basic {credentials}\r\n\r\n"
+    where = f"http://{parts.hostname}:{parts.port}"
+    try:
+        with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 80), timeout=timeout) as connection:
+            connection.sendall(request.encode())
+            status_line = connection.recv(4096).split(b"\r\n", 1)[0].decode("latin-1")
+    except OSError as error:
+        raise RunError(f"no gateway listening at {where} ({error}); start `polar-mitm gateway` or pass --gateway") from error
+    status = status_line.split(" ")[1] if status_line.count(" ") >= 1 else ""
+    if status == "407":
+        raise RunError(
+            f"the gateway at {where} refused this session's credentials (407): it runs with --require-auth and another "
+            f"session secret; pass the --confdir that gateway uses (its {sessions.SECRET_FILE})"
+        )
+    if status != "200":
+        raise RunError(f"{where} did not answer like a polar-mitm gateway: {status_line!r}")
+
+
 def proxy_environment(session_id: str, confdir: str | Path = DEFAULT_CONFDIR, gateway: str | None = None, base: Mapping[str, str] | None = None) -> dict[str, str]:
     """`base` (default os.environ) routed through the gateway as `session_id`, the gateway's CA trusted."""
     env = dict(os.environ if base is None else base)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,7 +29,7 @@ LONG_CHAT = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "W
 
 def cli(*args: str, cwd: Path, timeout: float = 60, **kwargs) -> subprocess.CompletedProcess:
     """The installed console script, running this worktree's code, as a user runs it."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = kwargs.pop("env", None) or {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run([POLAR_MITM, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, **kwargs)
 
 
@@ -247,3 +248,75 @@ def test_a_start_says_where_it_listens_the_store_and_the_engines_model_and_a_sig
     os.killpg(process.pid, signal.SIGTERM)
     assert process.wait(timeout=30) == 0
     assert not control.exists() and not (tmp_path / "mine.duckdb.wal").exists()
+
+
+# -- clients without their server
+
+
+def test_rollout_submit_without_a_server_is_one_line(tmp_path: Path) -> None:
+    server = f"http://127.0.0.1:{free_port()}"
+    result = cli("rollout", "submit", str(REPO / "examples" / "hello-task.yaml"), "--server", server, cwd=tmp_path)
+    assert result.returncode == 2
+    assert f"polar-mitm rollout: cannot reach the rollout server at {server}: ConnectError" in one_line(result)
+
+
+def test_demo_without_an_engine_is_one_line_and_leaves_no_confdir(tmp_path: Path) -> None:
+    engine = f"http://127.0.0.1:{free_port()}/v1"
+    result = cli("demo", "--engine-url", engine, "--db", "d.duckdb", cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path)})
+    assert result.returncode == 1
+    assert f"demo: no engine at --engine-url {engine} (ConnectError" in one_line(result)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_demo_removes_its_confdir_with_the_cas_private_key(tmp_path: Path, engine_url: str) -> None:
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    result = cli("demo", "--engine-url", engine_url, "--db", "d.duckdb", cwd=tmp_path, timeout=180, env={**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(temp)})
+    assert result.returncode == 0, result.stderr
+    assert "completion_token_ids" in result.stdout
+    assert list(temp.iterdir()) == []  # no polar-demo-* confdir, no mitmproxy-ca.pem (the CA's private key)
+
+
+# -- which gateway, and may this session use it
+
+
+def test_the_gateway_file_lists_each_live_gateway_and_run_says_which_it_picked(make_gateway, tmp_path: Path) -> None:
+    from polar_mitm.routing import GATEWAY_FILE
+
+    confdir = tmp_path / "shared-confdir"
+    first = make_gateway(confdir=confdir)
+    second = make_gateway(confdir=confdir)  # e.g. a rollout server's node, started later with the same confdir
+    listed = json.loads((confdir / GATEWAY_FILE).read_text())["gateways"]
+    assert set(listed) == {f"http://127.0.0.1:{first.port}", f"http://127.0.0.1:{second.port}"}
+
+    def picked() -> str:
+        result = cli("run", "--confdir", str(confdir), "--", "true", cwd=tmp_path, env={k: v for k, v in {**os.environ, "PYTHONPATH": str(REPO)}.items() if k != "POLAR_MITM_GATEWAY"})
+        assert result.returncode == 0, result.stderr
+        return result.stderr
+
+    said = picked()
+    assert f"via gateway http://127.0.0.1:{second.port} (the newest live gateway in {confdir / GATEWAY_FILE}" in said
+    assert f"also live there: http://127.0.0.1:{first.port}" in said
+    second.stop()  # its exit takes out its own entry only
+    assert set(json.loads((confdir / GATEWAY_FILE).read_text())["gateways"]) == {f"http://127.0.0.1:{first.port}"}
+    assert f"via gateway http://127.0.0.1:{first.port}" in picked()
+    third = make_gateway(confdir=confdir)
+    third.stop(signal.SIGKILL)  # leaves its entry; its pid is dead, so it is passed over
+    assert f"via gateway http://127.0.0.1:{first.port}" in picked()
+
+
+def test_run_checks_the_sessions_credentials_before_starting_the_harness(make_gateway, tmp_path: Path) -> None:
+    gw = make_gateway("--require-auth")
+    marker = tmp_path / "harness-started"
+    other = tmp_path / "another-confdir"  # trusts the gateway's CA, but has a secret of its own
+    other.mkdir()
+    shutil.copy(gw.ca_cert, other)
+    result = cli("run", "--gateway", f"http://127.0.0.1:{gw.port}", "--confdir", str(other), "--", "touch", str(marker), cwd=tmp_path)
+    assert result.returncode == 2
+    line = one_line(result)
+    assert f"the gateway at http://127.0.0.1:{gw.port} refused this session's credentials (407)" in line and "--confdir" in line
+    assert not marker.exists()
+    # with the gateway's own confdir the same command runs
+    ok = cli("run", "--gateway", f"http://127.0.0.1:{gw.port}", "--confdir", str(gw.confdir), "--", "touch", str(marker), cwd=tmp_path)
+    assert ok.returncode == 0, ok.stderr
+    assert marker.exists()

@@ -12,10 +12,11 @@ Columns (docs/trainers.md maps them to TRL, verl and slime):
 Writing the table. DuckDB lets one process write a file. The Parquet file is always written first; then
   - no process holds the store: `polar-mitm assemble` opens it and loads the rows into `trajectories`
     (rows of the same builder and sessions are replaced);
-  - a gateway holds it: nothing is written to the store; the Parquet file is the result, readable through
-    the gateway with `polar-mitm sql --db DB "SELECT * FROM read_parquet('FILE')"`;
+  - a gateway holds it: the gateway loads the Parquet file through its writer (its control endpoint,
+    `polar_mitm.store.client.load_trajectories`), so `breaks`, `breaks_by_class` work while it runs;
   - in-process (the rollout server passes its open `Store`): the same statements go through
-    `Store.execute_write`, serialised with the gateway's exchange commits.
+    `Store.load_trajectories`, serialised with the gateway's exchange commits;
+  - another process holds it without an endpoint: the Parquet file is the result (its absolute path printed).
 """
 
 from __future__ import annotations
@@ -32,8 +33,10 @@ import pyarrow.parquet as pq
 
 from polar_mitm.assembler.records import Sequence
 from polar_mitm.store import Store, views
+from polar_mitm.store.client import load_trajectories
 from polar_mitm.store.schema import TRAJECTORIES as TABLE
 from polar_mitm.store.schema import TRAJECTORIES_SCHEMA as SCHEMA
+from polar_mitm.store.schema import trajectory_statements
 
 TOKEN_COLUMNS = ("input_ids", "loss_mask", "rollout_logprobs")
 _PLAIN = [name for name in SCHEMA.names if not name.startswith("break_") and name not in TOKEN_COLUMNS]
@@ -97,37 +100,31 @@ class StoreWrite:
     message: str
 
 
-def _statements(parquet: Path) -> list[str]:
-    source = "read_parquet('" + str(parquet.resolve()).replace("'", "''") + "')"
-    return [
-        f"CREATE TABLE IF NOT EXISTS {TABLE} AS SELECT * FROM {source} LIMIT 0",
-        f"DELETE FROM {TABLE} WHERE (builder, session_id) IN (SELECT DISTINCT builder, session_id FROM {source})",
-        f"INSERT INTO {TABLE} BY NAME SELECT * FROM {source}",
-    ]
-
-
 def store_trajectories(db_path: str | os.PathLike[str] | None, parquet: Path, store_object: Store | None = None) -> StoreWrite:
     """Load a Parquet file written by this module into the store's `trajectories` table, if the store can be written."""
     if store_object is not None:
-        for sql in _statements(parquet):
-            store_object.execute_write(sql)
+        store_object.load_trajectories(parquet)
         return StoreWrite(True, f"loaded into table {TABLE} of {store_object.path} through the running store's writer")
+    db = Path(db_path).resolve()  # type: ignore[arg-type]
+    if load_trajectories(db, parquet):
+        return StoreWrite(True, f"loaded into table {TABLE} of {db} through the writer of the gateway that holds it")
     try:
-        con = duckdb.connect(str(db_path))
+        con = duckdb.connect(str(db))
     except duckdb.IOException as error:
         if "lock" not in str(error).lower():
             raise
+        # absolute paths: the SQL may run in another process, in another working directory
         return StoreWrite(
             False,
-            f"another process (the gateway) holds {db_path}, so table {TABLE} was not written; the trajectories are in "
-            f"{parquet} — read them through the gateway with: polar-mitm sql --db {db_path} \"SELECT * FROM read_parquet('{parquet}')\"",
+            f"another process holds {db}, so table {TABLE} was not written; the trajectories are in {parquet.resolve()} — "
+            f"read them with: polar-mitm sql --db {db} \"SELECT * FROM read_parquet('{parquet.resolve()}')\"",
         )
     try:
         con.execute("BEGIN TRANSACTION")
-        for sql in _statements(parquet):
+        for sql in trajectory_statements(parquet):
             con.execute(sql)
         con.execute("COMMIT")
         views.create_views(con)  # the views over trajectories (breaks, breaks_by_class) bind to the new table
     finally:
         con.close()
-    return StoreWrite(True, f"loaded into table {TABLE} of {db_path}")
+    return StoreWrite(True, f"loaded into table {TABLE} of {db}")

@@ -12,8 +12,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "assemble",
         help="build token-faithful training sequences from the store (Parquet + trajectories table)",
-        description="Build training sequences from the exchanges in the store. Writes the `trajectories` table when no "
-        "gateway holds the store, and Parquet with --out (or always, next to the store, while a gateway holds it).",
+        description="Build training sequences from the exchanges in the store. Writes the `trajectories` table (through "
+        "the gateway's writer while a gateway holds the store), and Parquet with --out.",
     )
     parser.add_argument("--db", required=True, help="DuckDB store")
     parser.add_argument("--builder", choices=["per_request", "prefix_merging"], default="prefix_merging")
@@ -67,6 +67,6 @@ def _assemble(args: argparse.Namespace) -> int:
     if stats["breaks"]["unknown"]:
         print("breaks of kind 'unknown': no tokenizer was found for the engine's model; pass --tokenizer DIR to classify them")
     if parquet.exists():
-        print(f"wrote {sink.rows} sequences to {parquet}")
+        print(f"wrote {sink.rows} sequences to {parquet.resolve()}")
     print(outcome.message)
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -38,6 +39,10 @@ def _demo(args: argparse.Namespace) -> int:
 
         print("demo: starting the local engine (first run builds it; later runs reuse it)...", flush=True)
         engine_url = LocalEngine().start()
+    elif problem := _engine_problem(engine_url):
+        print(f"demo: no engine at --engine-url {engine_url} ({problem}); start one (`polar-mitm engine start`) or leave out --engine-url", file=sys.stderr)
+        return 1
+    # a private confdir: the demo's CA (its private key too) lives only as long as the demo
     confdir = Path(tempfile.mkdtemp(prefix="polar-demo-"))
     port = free_port()
     gateway = subprocess.Popen(
@@ -59,9 +64,13 @@ def _demo(args: argparse.Namespace) -> int:
         client = openai.OpenAI(api_key="sk-demo-not-a-real-key")
         print(f"demo: gpt-4o via https://api.openai.com (intercepted), session {session_id}")
         print("demo: streamed answer: ", end="", flush=True)
-        for chunk in client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": args.prompt}], max_tokens=32, temperature=0, stream=True):
-            for choice in chunk.choices:
-                print(choice.delta.content or "", end="", flush=True)
+        try:
+            for chunk in client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": args.prompt}], max_tokens=32, temperature=0, stream=True):
+                for choice in chunk.choices:
+                    print(choice.delta.content or "", end="", flush=True)
+        except openai.APIError as error:
+            print(f"\ndemo: the call failed: {' '.join(str(error).split())}", file=sys.stderr)
+            return 1
         print()
         columns, rows = store.query(args.db, "SELECT session_id, seq, api, stream, status, model_requested, model_engine, finish_reason, prompt_token_ids, completion_token_ids, completion_logprobs FROM exchanges WHERE session_id = ?", [session_id])
         print(format_table(columns, rows, max_width=80))
@@ -72,3 +81,17 @@ def _demo(args: argparse.Namespace) -> int:
     finally:
         gateway.terminate()
         gateway.wait(timeout=30)
+        shutil.rmtree(confdir, ignore_errors=True)
+
+
+def _engine_problem(engine_url: str) -> str | None:
+    """Why the engine at `engine_url` cannot serve the demo, or None when its /models answers."""
+    import httpx
+
+    try:
+        response = httpx.get(engine_url.rstrip("/") + "/models", timeout=10)
+    except httpx.HTTPError as error:
+        return f"{type(error).__name__}: {error}"
+    if response.status_code != 200:
+        return f"GET /models answered HTTP {response.status_code}; the URL is the engine's API root, e.g. http://127.0.0.1:8011/v1"
+    return None

@@ -89,6 +89,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _submit(args: argparse.Namespace) -> int:
+    import httpx
+
     from polar_mitm.rollout.client import load_task, submit_and_follow, summary_table
 
     try:
@@ -97,8 +99,8 @@ def _submit(args: argparse.Namespace) -> int:
     except ClientError as error:
         print(f"polar-mitm rollout: {error}", file=sys.stderr)
         return 2
-    except OSError as error:
-        print(f"polar-mitm rollout: cannot reach the rollout server at {args.server}: {error}", file=sys.stderr)
+    except (OSError, httpx.HTTPError) as error:
+        print(f"polar-mitm rollout: cannot reach the rollout server at {args.server}: {type(error).__name__}: {error}", file=sys.stderr)
         return 2
     if not args.wait:
         print(result["task_id"])

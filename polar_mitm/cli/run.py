@@ -16,28 +16,23 @@ import argparse
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import uuid
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from polar_mitm.errors import RunError
 from polar_mitm.gateway.options import DEFAULT_CONFDIR
-from polar_mitm.routing import DEFAULT_GATEWAY, GATEWAY_FILE, gateway_url, proxy_environment
+from polar_mitm.routing import (
+    DEFAULT_GATEWAY,
+    GATEWAY_FILE,
+    check_gateway,
+    find_gateway,
+    proxy_environment,
+)
 
 SESSION_ID = re.compile(r"[A-Za-z0-9._~+=-]{1,200}")
-
-
-def _check_listening(gateway: str) -> None:
-    parts = urlsplit(gateway if "://" in gateway else f"http://{gateway}")
-    try:
-        with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 80), timeout=2):
-            pass
-    except OSError as error:
-        raise RunError(f"no gateway listening at {gateway} ({error}); start `polar-mitm gateway` or pass --gateway") from error
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -68,9 +63,10 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     temporary_home: str | None = None
     try:
-        gateway = gateway_url(args.confdir, args.gateway)
-        _check_listening(gateway)
+        gateway, picked = find_gateway(args.confdir, args.gateway)
         env = proxy_environment(session_id, args.confdir, gateway)
+        # before the harness starts: a harness shows a bare 407 or a connection error badly, or not at all
+        check_gateway(env["HTTPS_PROXY"])
         if args.harness:
             from polar_mitm import harnesses
 
@@ -82,7 +78,7 @@ def _run(args: argparse.Namespace) -> int:
     except RunError as error:
         print(f"polar-mitm run: {error}", file=sys.stderr)
         return 2
-    print(f"polar-mitm run: session {session_id}", file=sys.stderr, flush=True)
+    print(f"polar-mitm run: session {session_id} via gateway {gateway} ({picked})", file=sys.stderr, flush=True)
     try:
         return _run_child(command, env)
     finally:

@@ -11,7 +11,6 @@ import fnmatch
 import gc
 import json
 import logging
-import time
 import uuid
 import weakref
 from collections.abc import Awaitable, Callable
@@ -21,13 +20,12 @@ from typing import Any, TypeVar
 from mitmproxy import ctx, exceptions, http
 from mitmproxy.connection import ConnectionState
 
-from polar_mitm import dialects, redact, session
+from polar_mitm import dialects, redact, routing, session
 from polar_mitm.engines import make_engine
 from polar_mitm.engines.base import Engine
 from polar_mitm.errors import CallAbandoned, ConfigError
 from polar_mitm.exchange import DialectError, EngineError, ParsedRequest
 from polar_mitm.gateway import options
-from polar_mitm import routing
 from polar_mitm.store import ExchangeRow, Store, now
 from polar_mitm.util import load_function
 

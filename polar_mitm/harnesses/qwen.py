@@ -18,6 +18,9 @@ SETTINGS = {
     "memory": {"enableManagedAutoMemory": False},
     "telemetry": {"enabled": False},
     "general": {"enableAutoUpdate": False},
+    # the OpenAI-compatible auth (what `--auth-type openai` selects): without it a plain `qwen ...` stops at
+    # "No auth type is selected"
+    "security": {"auth": {"selectedType": "openai"}},
 }
 
 

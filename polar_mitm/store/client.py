@@ -1,4 +1,5 @@
-"""Reading a store from any process: `query` and `query_dicts`.
+"""Reading a store from any process: `query` and `query_dicts`; `load_trajectories` writes the one thing a live
+store takes from other processes.
 
 When a gateway holds the store (its control file names a live process), the SQL goes to the gateway's loopback
 endpoint, checked read-only here first; otherwise the file is opened read-only directly.
@@ -15,6 +16,30 @@ from typing import Any
 import duckdb
 
 from polar_mitm.store.control import check_read_only, control_file
+
+
+def live_endpoint(db_path: str | os.PathLike[str]) -> str | None:
+    """The SQL endpoint of the gateway that holds the store now, or None."""
+    control = control_file(Path(db_path))
+    try:
+        info = json.loads(control.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+    return info.get("sql_url") if _pid_alive(info.get("pid")) else None
+
+
+def load_trajectories(db_path: str | os.PathLike[str], parquet: Path, timeout: float = 300) -> bool:
+    """Load an assembler Parquet file into the `trajectories` table of a store a gateway holds, through its writer.
+    False when no gateway holds the store (open it for writing yourself)."""
+    url = live_endpoint(db_path)
+    if url is None:
+        return False
+    import httpx
+
+    response = httpx.post(url + "/sql", json={"trajectories_parquet": str(parquet.resolve())}, timeout=timeout, trust_env=False)
+    if response.status_code != 200:
+        raise RuntimeError(response.json().get("error", response.text))
+    return True
 
 
 def query(db_path: str | os.PathLike[str], sql: str, params: list[Any] | None = None, timeout: float = 60) -> tuple[list[str], list[list[Any]]]:

@@ -1,6 +1,11 @@
 """The loopback SQL endpoint: while a gateway owns the store (DuckDB allows one writing process per file), it
 answers read-only SQL from other processes over HTTP on 127.0.0.1, at the address it writes to `<db>.control.json`
-(the control file; polar_mitm.store.client reads it)."""
+(the control file; polar_mitm.store.client reads it). Its one write: loading an assembler Parquet file into the
+`trajectories` table through the store's writer (`{"trajectories_parquet": ABSOLUTE_PATH}`), so `polar-mitm
+assemble` and the views over that table work while the gateway runs.
+
+A gateway killed hard leaves its control file behind: readers see its pid is gone and open the file themselves,
+and the next gateway on the store writes its own."""
 
 from __future__ import annotations
 
@@ -17,6 +22,8 @@ import duckdb
 
 # (sql, params) -> (columns, rows): Store.query
 RunQuery = Callable[[str, Any], tuple[list[str], list[Any]]]
+# absolute Parquet path -> None: Store.load_trajectories
+LoadTrajectories = Callable[[Path], None]
 
 
 def control_file(db_path: str | os.PathLike[str]) -> Path:
@@ -41,18 +48,26 @@ def _json_default(value: Any) -> Any:
     return str(value)
 
 
-def serve_sql(db_path: str | os.PathLike[str], run_query: RunQuery, port: int = 0) -> ThreadingHTTPServer:
-    """Answer read-only SQL with `run_query` on a loopback port, and name the endpoint in the control file."""
+def serve_sql(db_path: str | os.PathLike[str], run_query: RunQuery, port: int = 0, load_trajectories: LoadTrajectories | None = None) -> ThreadingHTTPServer:
+    """Answer read-only SQL with `run_query` (and trajectory loads with `load_trajectories`) on a loopback port, and
+    name the endpoint in the control file."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self) -> None:  # noqa: N802 - http.server API
             length = int(self.headers.get("content-length") or 0)
             try:
                 request = json.loads(self.rfile.read(length) or b"{}")
-                sql = request["sql"]
-                check_read_only(sql)
-                columns, rows = run_query(sql, request.get("params"))
-                status, payload = 200, {"columns": columns, "rows": [list(r) for r in rows]}
+                if "trajectories_parquet" in request:
+                    parquet = Path(request["trajectories_parquet"])
+                    if load_trajectories is None or not parquet.is_absolute():
+                        raise PermissionError("this endpoint loads trajectories only from an absolute Parquet path")
+                    load_trajectories(parquet)
+                    status, payload = 200, {"loaded": str(parquet)}
+                else:
+                    sql = request["sql"]
+                    check_read_only(sql)
+                    columns, rows = run_query(sql, request.get("params"))
+                    status, payload = 200, {"columns": columns, "rows": [list(r) for r in rows]}
             except Exception as error:  # noqa: BLE001 - returned to the caller
                 status, payload = 400, {"error": f"{type(error).__name__}: {error}"}
             data = json.dumps(payload, default=_json_default).encode()

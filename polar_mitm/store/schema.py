@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any, TypedDict
 
 import pyarrow as pa
@@ -148,6 +149,17 @@ COMPLETED_STATUSES = frozenset({"completed", "complete", "success", "succeeded",
 
 # the assembler's table: one row per trainable sequence (columns: polar_mitm.assembler.export, docs/trainers.md)
 TRAJECTORIES = "trajectories"
+
+
+def trajectory_statements(parquet: Path) -> list[str]:
+    """The statements that load an assembler Parquet file into the `trajectories` table, replacing the rows of the
+    (builder, session) pairs it holds; run them in one transaction (or through the store's writer)."""
+    source = "read_parquet('" + str(parquet.resolve()).replace("'", "''") + "')"
+    return [
+        f"CREATE TABLE IF NOT EXISTS {TRAJECTORIES} AS SELECT * FROM {source} LIMIT 0",
+        f"DELETE FROM {TRAJECTORIES} WHERE (builder, session_id) IN (SELECT DISTINCT builder, session_id FROM {source})",
+        f"INSERT INTO {TRAJECTORIES} BY NAME SELECT * FROM {source}",
+    ]
 TRAJECTORIES_SCHEMA = pa.schema(
     [
         ("sequence_id", pa.string()),

@@ -38,6 +38,7 @@ from polar_mitm.store.schema import (
     ExchangeRow,
     base_type,
     now,
+    trajectory_statements,
 )
 from polar_mitm.store.segments import (
     SEGMENTS_TABLE,
@@ -389,9 +390,14 @@ class Store:
             cursor.close()
 
     # -- the control endpoint for readers in other processes
+    def load_trajectories(self, parquet: Path) -> None:
+        """Load an assembler Parquet file into the `trajectories` table through the writer thread."""
+        for sql in trajectory_statements(parquet):
+            self.execute_write(sql)
+
     def serve_sql(self, port: int = 0) -> str:
         """Answer read-only SQL from other processes on a loopback port (named in the control file); returns its URL."""
-        self._control = control.serve_sql(self.path, self.query, port)
+        self._control = control.serve_sql(self.path, self.query, port, self.load_trajectories)
         return control.sql_url(self._control)
 
     def close(self) -> None:
