@@ -46,7 +46,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -106,7 +106,7 @@ class Service:
     cwd: Path = ROOT
     process: subprocess.Popen | None = None
 
-    def start(self) -> "Service":
+    def start(self) -> Service:
         env = {**os.environ, **self.env}
         for key in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
             env.pop(key, None)
@@ -209,7 +209,7 @@ class Target:
     credentials: Any = None  # session index -> (user, token), for the gateway's proxy credentials
     api_key: str | None = None  # replaces the harness's Authorization (LiteLLM's master key)
 
-    async def connect(self, host: str, session: int) -> "Conn":
+    async def connect(self, host: str, session: int) -> Conn:
         limit = 1 << 24
         if self.mode == "plain":
             reader, writer = await asyncio.open_connection("127.0.0.1", self.port, limit=limit)
@@ -638,7 +638,8 @@ def start_services(services: dict[str, Service], tmp: Path, stub_delay_ms: float
     services["stub"].start().wait(30)
     services["gateway"].start().wait(60, ready=lambda: (confdir / "mitmproxy-ca-cert.pem").exists() and (tmp / "gateway.duckdb.control.json").exists())
     if baseline is not None:
-        # another polar_mitm source tree (e.g. `git archive` of an older commit), same venv: `-m` imports it from its cwd
+        # another polar_mitm source tree (e.g. `git archive` of an older commit), same venv: `-m` imports it from
+        # its cwd
         port = free_port()
         command = [python, "-m", "polar_mitm.cli", "gateway", "--port", str(port), "--upstream", stub_base, "--db", str(tmp / "baseline.duckdb"),
                    "--confdir", str(confdir), "--engine-model", STUB_MODEL, "--require-auth"]
@@ -881,7 +882,7 @@ def main() -> int:
     specs = load_requests()
     names = tuple(n for n in CONFIGS if not (n == "litellm" and args.no_litellm)) + (("baseline",) if args.baseline else ())
     tmp = Path(tempfile.mkdtemp(prefix="polar-bench-"))
-    results: dict[str, Any] = {"machine": machine(), "when": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+    results: dict[str, Any] = {"machine": machine(), "when": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")}
     services: dict[str, Service] = {}
     try:
         print(f"starting stub, gateway, mitmdump{', LiteLLM' if 'litellm' in names else ''} (logs in {tmp})", flush=True)

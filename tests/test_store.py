@@ -89,7 +89,7 @@ def test_rows_read_back_the_same_from_journal_and_segments(tmp_path: Path) -> No
     # while running: some rows in segments (16 per full journal), the rest in the journal, each exactly once
     assert sum(n for _, n in segments) >= 32 and journal_rows <= 45 - 32
     expected = {row["exchange_id"]: comparable(row) for row in rows}
-    assert fetched([dict(zip(columns, r)) for r in live]) == expected
+    assert fetched([dict(zip(columns, r, strict=True)) for r in live]) == expected
     # closed: every journal became a segment, types are the contract's, values unchanged
     described = dict((name, kind) for name, kind, *_ in store.query(db, "DESCRIBE exchanges")[1])
     assert described == CONTRACT_TYPES
