@@ -29,16 +29,26 @@ from bench.common import ROOT, STUB_MODEL, Plan, load_requests, percentile
 def measure_ingest(tmp: Path, plan: Plan, source: Path = ROOT) -> dict[str, Any]:
     """Store ingest with live SQL beside it; `source`: the polar_mitm source tree whose Store is measured."""
     db = tmp / f"ingest-{abs(hash(source))}.duckdb"
-    ingest = subprocess.Popen(_subcommand("write", db, plan.ingest_seconds, source), stdout=subprocess.PIPE, cwd=ROOT)
+    write_log = db.with_suffix(".write.log")
+    with write_log.open("wb") as log:
+        ingest = subprocess.Popen(_subcommand("write", db, plan.ingest_seconds, source), stdout=subprocess.PIPE, stderr=log, cwd=ROOT)
     deadline = time.monotonic() + 60
-    while not (Path(str(db) + ".control.json").exists() or time.monotonic() > deadline):
+    while not (Path(str(db) + ".control.json").exists() or time.monotonic() > deadline or ingest.poll() is not None):
         time.sleep(0.1)
-    probe = subprocess.run(_subcommand("query", db, plan.ingest_seconds - 1, source), capture_output=True, check=True, cwd=ROOT)
+    probe = subprocess.run(_subcommand("query", db, plan.ingest_seconds - 1, source), capture_output=True, cwd=ROOT)
     out, _ = ingest.communicate(timeout=plan.ingest_seconds + 120)
-    result = json.loads(out.decode().strip().splitlines()[-1])
-    result["sql"] = json.loads(probe.stdout.decode().strip().splitlines()[-1])
+    result = _last_json_line("write", ingest.returncode, out, write_log.read_bytes())
+    result["sql"] = _last_json_line("query", probe.returncode, probe.stdout, probe.stderr)
     print(f"  DuckDB ingest: {result['rate']:.0f} exchanges/s; live SQL p50 " + ", ".join(f"{q['p50'] * 1000:.0f} ms" for q in result["sql"].values()), flush=True)
     return result
+
+
+def _last_json_line(side: str, returncode: int, stdout: bytes, stderr: bytes) -> dict[str, Any]:
+    """What a subcommand printed last, or an error that shows why it printed nothing."""
+    lines = stdout.decode().strip().splitlines()
+    if returncode != 0 or not lines:
+        raise RuntimeError(f"`python -m bench.ingest {side}` exited with {returncode}:\n{stderr.decode(errors='replace')[-3000:]}")
+    return json.loads(lines[-1])
 
 
 def _subcommand(name: str, db: Path, seconds: float, source: Path) -> list[str]:
@@ -102,6 +112,7 @@ def write(db: str, seconds: float) -> None:
         return time.perf_counter() - t0
 
     elapsed = asyncio.run(main())
+    writes_done(db).touch()  # before close() stops the SQL endpoint: the reader's next failed query is the end
     store.close()
     # the DuckDB file and, since the journal store, its Parquet segments beside it
     size = Path(db).stat().st_size + sum(f.stat().st_size for f in Path(db + ".segments").glob("*") if f.is_file())
@@ -114,17 +125,27 @@ SQL_PROBES = {
 }
 
 
+def writes_done(db: str) -> Path:
+    """The file the writer creates when its timed writes end: live SQL is measured only while it is absent."""
+    return Path(db + ".writes-done")
+
+
 def query(db: str, seconds: float) -> None:
-    """From another process, the way a researcher watches a run: store.query through the gateway's endpoint; prints
-    each probe's p50 and p95."""
+    """From another process, the way a researcher watches a run: store.query through the gateway's endpoint, for
+    `seconds` or until the writer's timed writes end; prints each probe's p50, p95 and count."""
     from polar_mitm import store
 
     latencies: dict[str, list[float]] = {name: [] for name in SQL_PROBES}
     deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
+    while time.perf_counter() < deadline and not writes_done(db).exists():
         for name, sql in SQL_PROBES.items():
             t0 = time.perf_counter()
-            store.query(db, sql)
+            try:
+                store.query(db, sql)
+            except Exception:
+                if writes_done(db).exists():  # the writer finished first (this process started late on a busy machine)
+                    break
+                raise
             latencies[name].append(time.perf_counter() - t0)
         time.sleep(0.1)
     print(json.dumps({name: {"p50": percentile(v, 50), "p95": percentile(v, 95), "n": len(v)} for name, v in latencies.items()}))
