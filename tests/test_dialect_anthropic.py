@@ -362,12 +362,12 @@ def test_claude_code_fixtures_parse_without_loss(name: str) -> None:
         (t["name"], t["input_schema"], t.get("defer_loading")) for t in body["tools"]
     ]
     # fields with no engine meaning are recorded with their path
-    for path, value in _walk(body):
+    for path, _value in _walk(body):
         if path.endswith(".cache_control") or re.fullmatch(r"messages\[\d+\]\.output_config", path):
             assert path in ignored, path
     if body["thinking"].get("budget_tokens"):
         assert "thinking.budget_tokens" in ignored
-    for index, message in enumerate(body["messages"]):
+    for message in body["messages"]:
         for block in message["content"] if isinstance(message["content"], list) else []:
             if block["type"] == "tool_use":
                 calls = [c for m in chat["messages"] for c in m.get("tool_calls", [])]

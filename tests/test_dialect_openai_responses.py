@@ -395,7 +395,8 @@ def completion(**overrides: Any) -> Completion:
 
 
 def test_rendered_reasoning_round_trips_to_the_next_turn() -> None:
-    """An engine that returns reasoning separately (a vLLM reasoning parser) gets it back next turn via encrypted_content."""
+    """An engine that returns reasoning separately (a vLLM reasoning parser) gets it back next turn via
+    encrypted_content."""
     body = {"model": MODEL, "input": "List the files.", "tools": [SHELL_TOOL], "include": ["reasoning.encrypted_content"], "reasoning": {"summary": "auto"}, "stream": True}
     parsed = openai_responses.parse(json.dumps(body).encode())
     answer = completion(reasoning="Plan: run ls.", tool_calls=[ToolCall(id="call_9", name="shell", arguments='{"cmd": "ls"}')], finish_reason="tool_calls")

@@ -115,9 +115,9 @@ def check_assembly(gateway, session_id: str, rows: list[dict]) -> None:
     sequences = assemble(gateway.db, builder="prefix_merging", session=session_id).sequences
     assert sorted(e for s in sequences for e in s.exchange_ids) == sorted(by_id)
     for sequence in sequences:
-        sampled = [token for token, mask in zip(sequence.input_ids, sequence.loss_mask) if mask]
+        sampled = [token for token, mask in zip(sequence.input_ids, sequence.loss_mask, strict=True) if mask]
         assert sampled == [token for e in sequence.exchange_ids for token in by_id[e]["completion_token_ids"]]
-        assert [lp for lp, mask in zip(sequence.rollout_logprobs, sequence.loss_mask) if mask] == [lp for e in sequence.exchange_ids for lp in by_id[e]["completion_logprobs"]]
+        assert [lp for lp, mask in zip(sequence.rollout_logprobs, sequence.loss_mask, strict=True) if mask] == [lp for e in sequence.exchange_ids for lp in by_id[e]["completion_logprobs"]]
         assert sequence.input_ids[: sequence.prompt_len] == by_id[sequence.exchange_ids[0]]["prompt_token_ids"]
 
 
