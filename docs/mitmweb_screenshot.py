@@ -21,8 +21,8 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests import debug_run  # noqa: E402
 from polar_mitm.util import free_port  # noqa: E402
+from tests import debug_run  # noqa: E402
 from tests.gatewayproc import Gateway  # noqa: E402
 
 SHOTS = {"request": ("mitmweb-llm-request.png", 1, 1480), "response": ("mitmweb-llm-response.png", 0, 1000)}

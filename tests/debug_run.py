@@ -23,8 +23,8 @@ import anthropic
 import duckdb
 import openai
 
-from tests import debug_steer
 from polar_mitm.util import free_port
+from tests import debug_steer
 from tests.gatewayproc import Gateway, proxy_env
 
 FIXTURES = Path(__file__).parent / "fixtures" / "contentview"

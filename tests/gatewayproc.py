@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from polar_mitm import session, store
-from polar_mitm.util import free_port
 
 
 @dataclass

@@ -25,8 +25,8 @@ from polar_mitm import store
 from polar_mitm.assembler import assemble
 from polar_mitm.assembler.diagnosis import load_tokenizer
 from polar_mitm.gateway.contentview import LLMContentview, tool_signature
-from tests import debug_run
 from polar_mitm.util import free_port
+from tests import debug_run
 from tests.gatewayproc import Gateway, proxy_env
 
 pytestmark = pytest.mark.engine

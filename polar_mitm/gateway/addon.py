@@ -11,7 +11,6 @@ import gc
 import json
 import logging
 import os
-import time
 import uuid
 import weakref
 from collections.abc import Callable

@@ -11,8 +11,8 @@ from mitmproxy import master as mitmproxy_master
 from mitmproxy import options
 from mitmproxy.addons import block, core, disable_h2c, dns_resolver, errorcheck, next_layer, proxyserver, tlsconfig
 
-from polar_mitm.gateway.addon import PolarAddon
 from polar_mitm.gateway import options as gateway_options
+from polar_mitm.gateway.addon import PolarAddon
 from polar_mitm.gateway.config import GatewayConfig
 
 
