@@ -18,8 +18,9 @@ from typing import Any
 from urllib.parse import unquote
 
 from polar_mitm.dialects import reasoning
-from polar_mitm.dialects.common import expect, load_json_object
-from polar_mitm.exchange import Completion, DialectError, ParsedRequest
+from polar_mitm.dialects._api import Reply
+from polar_mitm.dialects.common import SSEEvent, expect, load_json_object
+from polar_mitm.exchange import Completion, DialectError, Notes, ParsedRequest
 
 API = "gemini"
 STREAM_CONTENT_TYPE = "text/event-stream"
@@ -65,7 +66,7 @@ def parse(body: bytes, path: str = "", query: dict[str, str] | None = None) -> P
         inner = expect(data, "generateContentRequest", dict)
         if inner is not None:
             parsed = _parse_request(_camel_keys(inner, "generateContentRequest", normalizations), model, normalizations, "generateContentRequest.")
-            parsed.ignored = sorted(parsed.ignored + [key for key in data if key != "generateContentRequest"])
+            parsed.notes.ignored = sorted(parsed.notes.ignored + [key for key in data if key != "generateContentRequest"])
         else:
             parsed = _parse_request(data, model, normalizations)
         parsed.action = "count_tokens"
@@ -97,7 +98,7 @@ def _parse_request(data: dict[str, Any], model: str, normalizations: list[str], 
     render = _generation_config(expect(data, "generationConfig", dict, where=where), chat, normalizations, ignored, where)
     known = {"contents", "systemInstruction", "tools", "toolConfig", "generationConfig"}
     ignored += [f"{where}{key}" for key in data if key not in known]
-    return ParsedRequest(api=API, model=model, stream=False, chat=chat, ignored=sorted(ignored), normalizations=normalizations, render=render)
+    return ParsedRequest(api=API, model=model, stream=False, chat=chat, notes=Notes(ignored=sorted(ignored), normalizations=normalizations), render=render)
 
 
 def _camel_keys(obj: dict[str, Any], where: str, normalizations: list[str]) -> dict[str, Any]:
@@ -611,3 +612,24 @@ def render_count_tokens(parsed: ParsedRequest, count: int) -> dict[str, Any]:
 def error_body(error: DialectError) -> dict[str, Any]:
     status = ERROR_STATUS.get(error.status, "INTERNAL" if error.status >= 500 else "INVALID_ARGUMENT")
     return {"error": {"code": error.status, "message": error.message, "status": status}}
+
+
+def parse_reply(body: dict[str, Any]) -> Reply:
+    return parse_reply_stream([(None, body)])
+
+
+def parse_reply_stream(events: list[SSEEvent]) -> Reply:
+    # each chunk is a GenerateContentResponse holding the next parts of the first candidate
+    reply = Reply()
+    for _, chunk in events:
+        for candidate in (chunk.get("candidates") or [])[:1]:
+            for part in (candidate.get("content") or {}).get("parts") or []:
+                if "functionCall" in part:
+                    call = part["functionCall"]
+                    reply.tool_calls.append({"id": call.get("id"), "name": call.get("name"), "arguments": call.get("args")})
+                elif part.get("thought"):
+                    reply.reasoning += part.get("text", "")
+                else:
+                    reply.content += part.get("text", "")
+            reply.finish_reason = candidate.get("finishReason") or reply.finish_reason
+    return reply
