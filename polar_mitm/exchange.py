@@ -45,6 +45,7 @@ class ParsedRequest:
     # "generate" calls the engine for a completion; "count_tokens" only tokenizes
     action: str = "generate"
 
+    # the row's `ignored_fields` and `normalizations` columns
     @property
     def ignored(self) -> list[str]:
         return self.notes.ignored

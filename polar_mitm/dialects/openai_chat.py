@@ -43,26 +43,26 @@ def parse(body: bytes, path: str = "", query: dict[str, str] | None = None) -> P
         expect(data, key, kinds)
     stream_options = expect(data, "stream_options", dict) or {}
     tools = expect(data, "tools", list)
-    normalizations: list[str] = []
-    chat_messages = [_check_message(m, i, normalizations) for i, m in enumerate(messages)]
+    notes = Notes()
+    chat_messages = [_check_message(m, i, notes) for i, m in enumerate(messages)]
     for index, tool in enumerate(tools or []):
         if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(tool.get("function"), dict) or not isinstance(tool["function"].get("name"), str):
             raise DialectError(400, "invalid_request_error", f"tools[{index}] must be a function tool with a name", f"tools[{index}]")
 
     chat = {key: data[key] for key in PASSTHROUGH if key in data and data[key] is not None}
     chat["messages"] = chat_messages
-    ignored = sorted(key for key in data if key not in PASSTHROUGH and key not in CONSUMED)
+    notes.ignored = sorted(key for key in data if key not in PASSTHROUGH and key not in CONSUMED)
     return ParsedRequest(
         api=API,
         model=model,
         stream=stream,
         chat=chat,
-        notes=Notes(ignored=ignored, normalizations=normalizations),
+        notes=notes,
         render={"include_usage": bool(stream_options.get("include_usage")), "logprobs": bool(data.get("logprobs"))},
     )
 
 
-def _check_message(message: Any, index: int, normalizations: list[str]) -> dict[str, Any]:
+def _check_message(message: Any, index: int, notes: Notes) -> dict[str, Any]:
     where = f"messages[{index}]"
     if not isinstance(message, dict):
         raise DialectError(400, "invalid_request_error", f"'{where}' must be an object", where)
@@ -82,7 +82,7 @@ def _check_message(message: Any, index: int, normalizations: list[str]) -> dict[
     if role == "developer":
         # chat templates know system, not developer
         out["role"] = "system"
-        normalizations.append(f"{where}: developer -> system")
+        notes.normalize(f"{where}: developer -> system")
     return out
 
 
