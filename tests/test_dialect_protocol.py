@@ -15,7 +15,11 @@ import pytest
 from google.genai import errors as genai_errors
 from google.genai import types as genai_types
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
-from openai.types.responses import InputTokenCountResponse, Response, ResponseStreamEvent
+from openai.types.responses import (
+    InputTokenCountResponse,
+    Response,
+    ResponseStreamEvent,
+)
 from pydantic import TypeAdapter
 
 from polar_mitm import dialects

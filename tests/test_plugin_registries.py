@@ -6,6 +6,9 @@ pure logic runs here on hand-made exchanges: no engine, store or network."""
 from __future__ import annotations
 
 import inspect
+import os
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -122,3 +125,37 @@ def test_prefix_merging_merges_the_extension_and_keeps_the_resent_sample_apart()
     assert [(start, end, e.exchange_id) for start, end, e in merged.spans] == [(3, 5, "x1"), (6, 7, "x2")]
     assert merged.break_diagnosis is None and merged.retry_of is None
     assert chains[1].retry_of == "x1" and chains[1].tokens().tolist() == [1, 2, 3, 6]
+
+
+# -- the interfaces hold statically: a type checker accepts every registered module as its protocol
+CHECK = """
+from polar_mitm.assembler import Builder, per_request, prefix_merging
+from polar_mitm.dialects import CountsTokens, Dialect, anthropic_messages, gemini, openai_chat, openai_responses
+
+dialects: list[Dialect] = [openai_chat, openai_responses, anthropic_messages, gemini]
+counting: list[CountsTokens] = [openai_responses, anthropic_messages, gemini]
+builders: list[Builder] = [per_request, prefix_merging]
+"""
+BROKEN = """
+from polar_mitm.dialects import Dialect
+import half_a_dialect
+
+dialect: Dialect = half_a_dialect
+"""
+
+
+def mypy(tmp_path: Path, source: str) -> tuple[int, str]:
+    api = pytest.importorskip("mypy.api")
+    (tmp_path / "check.py").write_text(source)
+    (tmp_path / "half_a_dialect.py").write_text('API = "x"\nSTREAM_CONTENT_TYPE = "text/event-stream"\n\ndef recognizes(method: str, path: str) -> bool:\n    return True\n')
+    # only check.py's own lines are reported (silent imports): the project's other typing debts do not count here
+    stdout, stderr, status = api.run([str(tmp_path / "check.py"), "--follow-imports=silent", "--ignore-missing-imports", "--cache-dir", str(tmp_path / "cache"), "--python-executable", sys.executable])
+    return status, stdout + stderr
+
+
+def test_a_type_checker_accepts_every_module_as_its_protocol(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MYPYPATH", f"{tmp_path}{os.pathsep}{Path(__file__).parent.parent}")
+    status, out = mypy(tmp_path, CHECK)
+    assert status == 0, out
+    status, out = mypy(tmp_path, BROKEN)
+    assert status == 1 and 'has type Module, variable has type "Dialect"' in out, out
