@@ -200,7 +200,7 @@ def test_sigkill_mid_compaction_loses_and_duplicates_nothing(tmp_path: Path, aft
     db = tmp_path / "crash.duckdb"
     script = tmp_path / "writer.py"
     script.write_text(CRASH_WRITER.format(tests=str(Path(__file__).parent), db=str(db)))
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     writer = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
     committed = []
     assert writer.stdout is not None

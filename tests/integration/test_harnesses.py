@@ -2,7 +2,7 @@
 
 Each test runs the pinned harness binary headless in a temp workspace with a private HOME, through
 `polar-mitm run --harness X` (proxy settings only, no base-URL change), against a gateway whose engine
-hook (tests/harness_steering.py) constrains the real engine: turn 1 a shell tool call writing a proof file,
+hook (tests/support/harness_steering.py) constrains the real engine: turn 1 a shell tool call writing a proof file,
 turn 2 a short final text. The tool must really run, the harness exit 0, and the store hold exactly the
 harness's model exchanges, in order, under the session id given.
 """
@@ -21,9 +21,9 @@ import pytest
 from polar_mitm import harnesses, routing
 from polar_mitm.assembler import assemble
 from polar_mitm.store import JSON_COLUMNS
-from tests import harness_steering as steering
+from tests.support import harness_steering as steering
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 INSTALL = REPO / "sandboxes" / "harnesses" / "install.sh"
 HOOK = f"{Path(steering.__file__).resolve()}:steer"
 INSTRUCTION = f"Create the file {steering.PROOF_FILE} containing {steering.PROOF_CONTENT}, using the shell."

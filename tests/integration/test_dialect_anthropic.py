@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 from polar_mitm.dialects import anthropic_messages, reasoning
 from polar_mitm.exchange import Completion, DialectError, ParsedRequest, ToolCall
-from tests.gatewayproc import Gateway, proxy_env
+from tests.support.gatewayproc import Gateway, proxy_env
 
-FIXTURES = Path(__file__).parent / "fixtures" / "anthropic"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "anthropic"
 MODEL = "claude-opus-4-8"
 BASH_TOOL = {
     "name": "Bash",

@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 
 from polar_mitm.dialects import dialect_for, openai_responses, reasoning
 from polar_mitm.exchange import Completion, DialectError, ParsedRequest, ToolCall
-from tests.gatewayproc import Gateway, proxy_env
+from tests.support.gatewayproc import Gateway, proxy_env
 
-FIXTURES = Path(__file__).parent / "fixtures" / "responses"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "responses"
 MODEL = "gpt-5.5"
 SHELL_TOOL = {
     "type": "function",
