@@ -43,7 +43,7 @@ SYSTEM_BUNDLES = (
 
 
 def gateway_url(confdir: str | Path, explicit: str | None = None) -> str:
-    """--gateway, else $POLAR_MITM_GATEWAY, else the newest live gateway listed in the confdir, else the default port."""
+    """--gateway, else $POLAR_MITM_GATEWAY, else the newest live gateway listed in the confdir, else the default."""
     return find_gateway(confdir, explicit)[0]
 
 

@@ -74,7 +74,7 @@ def _demo(args: argparse.Namespace) -> int:
         print()
         columns, rows = store.query(args.db, "SELECT session_id, seq, api, stream, status, model_requested, model_engine, finish_reason, prompt_token_ids, completion_token_ids, completion_logprobs FROM exchanges WHERE session_id = ?", [session_id])
         print(format_table(columns, rows, max_width=80))
-        record = dict(zip(columns, rows[0]))
+        record = dict(zip(columns, rows[0], strict=True))
         print(json.dumps({"prompt_token_ids": record["prompt_token_ids"], "completion_token_ids": record["completion_token_ids"]}))
         print(f"demo: store at {args.db}; try: polar-mitm sql --db {args.db} session_timeline")
         return 0

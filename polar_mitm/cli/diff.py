@@ -9,8 +9,8 @@ seq. For turn K and the turn after it, the diff shows
     the break class from the assembler's diagnosis (retokenized, rerendered, rewritten, truncated, unknown).
 Without --turn, one line per consecutive pair.
 
-Python API (the notebooks use it), in polar_mitm.debug.diff: `load_turns(db, session)`, `diff_turns(db, session, turn)` -> TurnDiff,
-`format_diff(diff)`, `overview(db, session)`.
+Python API (the notebooks use it), in polar_mitm.debug.diff: `load_turns(db, session)`,
+`diff_turns(db, session, turn)` -> TurnDiff, `format_diff(diff)`, `overview(db, session)`.
 """
 
 from __future__ import annotations

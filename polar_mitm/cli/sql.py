@@ -52,7 +52,7 @@ def _sql(args: argparse.Namespace) -> int:
         return 1
     if args.json:
         for row in rows[: args.limit]:
-            print(json.dumps(dict(zip(columns, row)), default=str))
+            print(json.dumps(dict(zip(columns, row, strict=True)), default=str))
     else:
         print(format_table(columns, rows, args.max_width, args.limit))
     return 0

@@ -140,10 +140,10 @@ def diff_messages(before: Turn, after: Turn) -> list[MessageOp]:
     matcher = difflib.SequenceMatcher(None, [_key(m) for m in expected], [_key(m) for m in after.messages], autojunk=False)
     for tag, i1, i2, j1, j2 in matcher.get_opcodes():
         if tag == "equal":
-            for i, j in zip(range(i1, i2), range(j1, j2)):
+            for i, j in zip(range(i1, i2), range(j1, j2), strict=True):
                 ops.append(MessageOp("resent" if i == reply_index else "same", expected[i].get("role", "?"), i, j, "turn's reply, sent back as sampled" if i == reply_index else ""))
             continue
-        pairs = list(zip(range(i1, i2), range(j1, j2))) if tag == "replace" else []
+        pairs = list(zip(range(i1, i2), range(j1, j2), strict=False)) if tag == "replace" else []
         for i, j in pairs:
             old, new = expected[i], after.messages[j]
             if old.get("role") != new.get("role"):
@@ -198,7 +198,7 @@ def _assemble(db: str | os.PathLike[str], session_id: str, tokenizer: Any) -> An
 
 
 def _explain(result: TurnDiff, turns: list[Turn], assembly: Any) -> None:
-    """What the assembler made of the next turn: merged into which chain, or a break (with its class), or a new lineage."""
+    """What the assembler made of the next turn: merged into which chain, a break (with its class), or a new lineage."""
     seq_of = {t.exchange_id: t.seq for t in turns}
     after = result.after.exchange_id
     for sequence in assembly.sequences:

@@ -38,7 +38,7 @@ def format_table(columns: list[str], rows: list[list[Any]], max_width: int = 60,
     widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
 
     def line(values: list[str]) -> str:
-        return " | ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)).rstrip()
+        return " | ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric, strict=True)).rstrip()
 
     out = [line(columns), "-+-".join("-" * w for w in widths)]
     out += [line(r) for r in cells]

@@ -21,7 +21,8 @@ from mitmproxy import ctx, exceptions, http
 from mitmproxy.connection import ConnectionState
 
 from polar_mitm import dialects, redact, routing, session
-from polar_mitm.engines import make_engine
+from polar_mitm.dialects import CountsTokens, Dialect
+from polar_mitm.engines import ENGINES, make_engine
 from polar_mitm.engines.base import Engine
 from polar_mitm.errors import CallAbandoned, ConfigError
 from polar_mitm.exchange import DialectError, EngineError, ParsedRequest
@@ -64,8 +65,8 @@ class PolarAddon:
             upstream = ctx.options.polar_upstream
             if upstream and not upstream.startswith(("http://", "https://")):
                 raise exceptions.OptionsError(f"polar_upstream must be an http(s) URL, got {upstream!r}")
-            if ctx.options.polar_engine not in ("vllm", "sglang"):
-                raise exceptions.OptionsError(f"polar_engine must be vllm or sglang, got {ctx.options.polar_engine!r}")
+            if ctx.options.polar_engine not in ENGINES:
+                raise exceptions.OptionsError(f"polar_engine must be one of {', '.join(ENGINES.names())}, got {ctx.options.polar_engine!r}")
             if ctx.options.polar_engine_timeout <= 0:
                 raise exceptions.OptionsError("polar_engine_timeout must be positive")
             self.engine = make_engine(ctx.options.polar_engine, upstream, ctx.options.polar_engine_model or None, ctx.options.polar_engine_timeout, ctx.options.polar_split_reasoning) if upstream else None
@@ -204,7 +205,7 @@ class PolarAddon:
         flow.response = http.Response.make(404, json.dumps(body), {"content-type": "application/json"})
         flow.metadata["polar_local"] = True
 
-    async def _exchange(self, flow: http.HTTPFlow, dialect: Any, path: str) -> None:
+    async def _exchange(self, flow: http.HTTPFlow, dialect: Dialect, path: str) -> None:
         # mitmproxy listens before running(): a call that early waits for the store
         await self.started.wait()
         assert self.store is not None
@@ -217,7 +218,7 @@ class PolarAddon:
             if not self.open_exchanges:
                 self.all_committed.set()
 
-    async def _exchange_committed(self, flow: http.HTTPFlow, dialect: Any, path: str) -> None:
+    async def _exchange_committed(self, flow: http.HTTPFlow, dialect: Dialect, path: str) -> None:
         assert self.store is not None
         session_id = flow.metadata.get("polar_session") or session.DEFAULT_SESSION
         headers = list(flow.request.headers.items(multi=True))
@@ -305,12 +306,13 @@ class PolarAddon:
             raise CallAbandoned("gateway_shutdown", "the gateway was stopped while the engine worked on this call; the engine call was cancelled")
         return task.result()
 
-    async def _serve(self, parsed: ParsedRequest, dialect: Any, row: ExchangeRow) -> tuple[int, str, bytes, Any]:
+    async def _serve(self, parsed: ParsedRequest, dialect: Dialect, row: ExchangeRow) -> tuple[int, str, bytes, Any]:
         if self.engine is None:
             raise EngineError("engine_unreachable", "polar-mitm has no inference engine configured (polar_upstream)", 503)
         engine_model = await self._engine_model(parsed.model)
         row["model_engine"] = engine_model
         if parsed.action == "count_tokens":
+            assert isinstance(dialect, CountsTokens), "only a dialect with a count endpoint parses a count_tokens request"
             count_request = self.engine.build_count_request(parsed.chat, engine_model)
             row["engine_request"] = count_request
             row["engine_started_at"] = now()
@@ -357,7 +359,7 @@ class PolarAddon:
         return await self.engine.discover()
 
     @staticmethod
-    def _error(dialect: Any, error: DialectError) -> tuple[int, str, bytes, Any]:
+    def _error(dialect: Dialect, error: DialectError) -> tuple[int, str, bytes, Any]:
         body_json = dialect.error_body(error)
         return error.status, "application/json", json.dumps(body_json).encode(), body_json
 

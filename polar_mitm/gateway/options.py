@@ -13,7 +13,8 @@ addon's `configure()`; e.g. a cap on concurrent engine calls:
            flag_help="concurrent engine calls (default 0: no limit)"),
 
 gives `--set polar_engine_concurrency=8`, `GatewayConfig(engine_concurrency=8)` and `--engine-concurrency 8` on
-all three commands (the rollout commands leave out only what the node sets itself: cli/rollout.py NODE_SETS). Checks on values stay in the addon's `configure()` (one place for mitmdump and the CLI).
+all three commands (the rollout commands leave out only what the node sets itself: cli/rollout.py NODE_SETS).
+Checks on values stay in the addon's `configure()` (one place for mitmdump and the CLI).
 
 Options that are not the addon's (`addon=False`: the listen address, confdir, mitmweb, the terminal log) are
 mitmproxy's own or the process's; `make_master` applies them, and they have no `polar_` name.

@@ -88,7 +88,7 @@ def summary_table(result: dict[str, Any]) -> str:
             _seconds(timings.get("preparing")), _seconds(timings.get("running")), (s.get("error") or "")[:70],
         ))
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows]]
+    lines = ["  ".join(str(cell).ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in [header, *rows]]
     stats = result.get("trajectory_stats") or {}
     lines.append("")
     lines.append(f"task {result['task_id']}: {result['status']}; " + ", ".join(f"{k} {v}" for k, v in sorted(result["counts"].items())))

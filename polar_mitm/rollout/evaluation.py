@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from polar_mitm.errors import EvaluatorError
-from polar_mitm.util import load_function
 from polar_mitm.rollout.models import Evaluation, Evaluator, TaskRequest
 from polar_mitm.rollout.runtimes import ExecResult, Sandbox, tail
+from polar_mitm.util import load_function
 
 
 @dataclass

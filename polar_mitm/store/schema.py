@@ -13,7 +13,7 @@ and it imports nothing of ours.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypedDict
 
@@ -199,7 +199,7 @@ TRAJECTORIES_SCHEMA = pa.schema(
 
 
 def now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 def quote(text: str) -> str:

@@ -158,7 +158,7 @@ def checkpoint_soon(con: duckdb.DuckDBPyConnection, attempts: int = 2000) -> boo
 
 
 def add_segment(con: duckdb.DuckDBPyConnection, db_path: str | os.PathLike[str], rows: pa.Table) -> None:
-    """Bulk-load exchange rows (an Arrow table, any subset of the columns) as one segment of a store no Store has open."""
+    """Bulk-load exchange rows (an Arrow table, any subset of the columns) as a segment of a store no Store has open."""
     number = next_segment(con)
     con.register("polar_bulk_rows", rows)
     try:

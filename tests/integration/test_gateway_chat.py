@@ -17,8 +17,8 @@ import pytest
 
 from polar_mitm import store
 from polar_mitm.util import free_port
-from tests.gatewayproc import Gateway, proxy_env
-from tests.upstream_standins import StandinUpstream
+from tests.support.gatewayproc import Gateway, proxy_env
+from tests.support.upstream_standins import StandinUpstream
 
 pytestmark = pytest.mark.engine
 

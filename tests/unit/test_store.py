@@ -91,7 +91,7 @@ def test_rows_read_back_the_same_from_journal_and_segments(tmp_path: Path) -> No
     # while running: some rows in segments (16 per full journal), the rest in the journal, each exactly once
     assert sum(n for _, n in segments) >= 32 and journal_rows <= 45 - 32
     expected = {row["exchange_id"]: comparable(row) for row in rows}
-    assert fetched([dict(zip(columns, r)) for r in live]) == expected
+    assert fetched([dict(zip(columns, r, strict=True)) for r in live]) == expected
     # Store.arrow: the same rows from journal and segments, list columns as Arrow lists
     assert arrow.schema.field("prompt_token_ids").type == pa.list_(pa.int32()) and arrow.num_rows == 45
     by_id = {row["exchange_id"]: row for row in arrow.to_pylist()}
@@ -200,7 +200,7 @@ def test_sigkill_mid_compaction_loses_and_duplicates_nothing(tmp_path: Path, aft
     db = tmp_path / "crash.duckdb"
     script = tmp_path / "writer.py"
     script.write_text(CRASH_WRITER.format(tests=str(Path(__file__).parent), db=str(db)))
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     writer = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
     committed = []
     assert writer.stdout is not None

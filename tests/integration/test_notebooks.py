@@ -1,5 +1,5 @@
 """The notebooks in notebooks/, executed top to bottom with nbclient against a store built by a small real run
-through the gateway and the real engine (the `debug_store` fixture, tests/debug_run.py).
+through the gateway and the real engine (the `debug_store` fixture, tests/support/debug_run.py).
 
 Each notebook asserts on what it displays (the SQL views and the assembler must agree with what is shown);
 these tests run them and check the displayed outputs for what this run is known to contain."""
@@ -12,12 +12,12 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from tests import debug_run
-from tests.gatewayproc import environ
+from tests.support import debug_run
+from tests.support.gatewayproc import environ
 
 pytestmark = pytest.mark.engine
 
-NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 
 
 def execute(name: str, env: dict[str, str]) -> list[dict]:

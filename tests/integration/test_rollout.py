@@ -4,7 +4,7 @@ HTTP callback receiver.
 
 The random-weight engine is steered by examples/steer_tiny_model.py (the gateway's engine hook): turn 1 of every
 agent loop is a shell tool call running the instruction's STEER-COMMAND, turn 2 a final text. The sandbox's
-evaluator is tests/rollout_check.py, uploaded by a prepare step.
+evaluator is tests/support/rollout_check.py, uploaded by a prepare step.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from polar_mitm.util import free_port
 
 pytestmark = [pytest.mark.harness, pytest.mark.engine]
 
-REPO = Path(__file__).resolve().parent.parent
-HOOK = f"{Path(__file__).resolve().parent.parent / 'examples' / 'steer_tiny_model.py'}:steer"
-CHECK = Path(__file__).resolve().parent / "rollout_check.py"
+REPO = Path(__file__).resolve().parents[2]
+HOOK = f"{REPO / 'examples' / 'steer_tiny_model.py'}:steer"
+CHECK = REPO / "tests" / "support" / "rollout_check.py"
 TASK_WAIT = 420
 WRITE_ANSWER = 'echo "$POLAR_MITM_SESSION" > answer.txt'
 # blocks the shell tool (Qwen Code refuses a bare `sleep N`)

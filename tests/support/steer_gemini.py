@@ -1,4 +1,4 @@
-"""Engine hook for the Gemini dialect tests (`--engine-hook tests/steer_gemini.py:steer`).
+"""Engine hook for the Gemini dialect tests (`--engine-hook tests/support/steer_gemini.py:steer`).
 
 Gemini requests have no slot for vLLM's `structured_outputs`, so the test gateway adds it: a short text and a
 forced get_weather call while tools are offered and no result has come back, a fixed text once it has. Forced tokens

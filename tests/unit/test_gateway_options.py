@@ -127,7 +127,7 @@ def test_values_are_checked_in_the_addons_configure(tmp_path: Path) -> None:
         try:
             for option, value, message in [
                 ("polar_engine_timeout", 0.0, "must be positive"),
-                ("polar_engine", "tgi", "must be vllm or sglang"),
+                ("polar_engine", "tgi", "must be one of vllm, sglang"),
                 ("polar_engine_hook", "no-function-named", "polar_engine_hook: must be 'module:function'"),
                 ("polar_model_map", ["=served"], "has no pattern"),
             ]:

@@ -9,13 +9,13 @@ import ssl
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from polar_mitm import session, store
-from polar_mitm.util import free_port
 
 
 @dataclass
@@ -42,7 +42,7 @@ class Gateway:
             token = session.session_token(session.load_secret(self.confdir), session_id)
         return f"http://{session_id}:{token}@127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 60) -> "Gateway":
+    def start(self, timeout: float = 60) -> Gateway:
         self.log = self.db.with_suffix(".gateway.log")
         command = [sys.executable, "-m", "polar_mitm.cli", "gateway", "--port", str(self.port), "--upstream", self.upstream, "--db", str(self.db), "--confdir", str(self.confdir), "-v", *self.args]
         self.process = subprocess.Popen(command, stdout=self.log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)

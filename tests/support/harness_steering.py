@@ -1,6 +1,6 @@
 """Engine hook for the harness tests: constrain the real engine's output so a random-weight model acts like an agent.
 
-Loaded by the gateway (`--engine-hook tests/harness_steering.py:steer`). For a request that offers the
+Loaded by the gateway (`--engine-hook tests/support/harness_steering.py:steer`). For a request that offers the
 harness's shell tool and has no tool result yet, the output is forced (structured-output regex, parsed by the
 engine's hermes tool parser) to one shell tool call writing PROOF_CONTENT into PROOF_FILE; once a tool
 result is in the conversation, to FINAL_TEXT. Side calls without a shell tool get their own short answer.

@@ -28,7 +28,7 @@ from polar_mitm.assembler.diagnosis import common_prefix, load_tokenizer
 from polar_mitm.assembler.export import store_trajectories, write_parquet
 from polar_mitm.assembler.rewards import EPSILON
 from polar_mitm.local_engine.steering import literal
-from tests.gatewayproc import Gateway, proxy_env
+from tests.support.gatewayproc import Gateway, proxy_env
 
 pytestmark = pytest.mark.engine
 
@@ -294,7 +294,7 @@ def test_truncated_break(gateway: Gateway, session_id: str, tokenizer) -> None:
 
 
 def test_sdk_retry_does_not_fork(make_gateway, session_id: str, tokenizer) -> None:
-    hook = Path(__file__).with_name("test_assembler_hooks.py")
+    hook = Path(__file__).resolve().parents[1] / "support" / "assembler_hooks.py"
     gw = make_gateway("--engine-hook", f"{hook}:slow_first_attempt")
     with proxy_env(gw, session_id):
         chat = Conversation(openai.OpenAI(api_key="sk-test-assembler", timeout=120.0, max_retries=2), tokenizer)

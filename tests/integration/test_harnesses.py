@@ -2,7 +2,7 @@
 
 Each test runs the pinned harness binary headless in a temp workspace with a private HOME, through
 `polar-mitm run --harness X` (proxy settings only, no base-URL change), against a gateway whose engine
-hook (tests/harness_steering.py) constrains the real engine: turn 1 a shell tool call writing a proof file,
+hook (tests/support/harness_steering.py) constrains the real engine: turn 1 a shell tool call writing a proof file,
 turn 2 a short final text. The tool must really run, the harness exit 0, and the store hold exactly the
 harness's model exchanges, in order, under the session id given.
 """
@@ -21,9 +21,9 @@ import pytest
 from polar_mitm import harnesses, routing
 from polar_mitm.assembler import assemble
 from polar_mitm.store import JSON_COLUMNS
-from tests import harness_steering as steering
+from tests.support import harness_steering as steering
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 INSTALL = REPO / "sandboxes" / "harnesses" / "install.sh"
 HOOK = f"{Path(steering.__file__).resolve()}:steer"
 INSTRUCTION = f"Create the file {steering.PROOF_FILE} containing {steering.PROOF_CONTENT}, using the shell."
@@ -115,9 +115,9 @@ def check_assembly(gateway, session_id: str, rows: list[dict]) -> None:
     sequences = assemble(gateway.db, builder="prefix_merging", session=session_id).sequences
     assert sorted(e for s in sequences for e in s.exchange_ids) == sorted(by_id)
     for sequence in sequences:
-        sampled = [token for token, mask in zip(sequence.input_ids, sequence.loss_mask) if mask]
+        sampled = [token for token, mask in zip(sequence.input_ids, sequence.loss_mask, strict=True) if mask]
         assert sampled == [token for e in sequence.exchange_ids for token in by_id[e]["completion_token_ids"]]
-        assert [lp for lp, mask in zip(sequence.rollout_logprobs, sequence.loss_mask) if mask] == [lp for e in sequence.exchange_ids for lp in by_id[e]["completion_logprobs"]]
+        assert [lp for lp, mask in zip(sequence.rollout_logprobs, sequence.loss_mask, strict=True) if mask] == [lp for e in sequence.exchange_ids for lp in by_id[e]["completion_logprobs"]]
         assert sequence.input_ids[: sequence.prompt_len] == by_id[sequence.exchange_ids[0]]["prompt_token_ids"]
 
 

@@ -1,6 +1,6 @@
 """The debugging tools: the mitmproxy content view for LLM calls (offline on recorded harness requests, live in
 mitmweb), mitmweb replay recorded as a replay, `polar-mitm sql` views while the gateway runs, and
-`polar-mitm diff` on sessions that broke for real through the gateway (tests/debug_run.py)."""
+`polar-mitm diff` on sessions that broke for real through the gateway (tests/support/debug_run.py)."""
 
 from __future__ import annotations
 
@@ -25,13 +25,13 @@ from polar_mitm import store
 from polar_mitm.assembler import assemble
 from polar_mitm.assembler.diagnosis import load_tokenizer
 from polar_mitm.gateway.contentview import LLMContentview, tool_signature
-from tests import debug_run
 from polar_mitm.util import free_port
-from tests.gatewayproc import Gateway, proxy_env
+from tests.support import debug_run
+from tests.support.gatewayproc import Gateway, proxy_env
 
 pytestmark = pytest.mark.engine
 
-FIXTURES = Path(__file__).parent / "fixtures" / "contentview"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "contentview"
 CLI = [sys.executable, "-m", "polar_mitm.cli"]
 
 

@@ -90,7 +90,7 @@ def test_greedy_chat_returns_token_ids_and_one_logprob_per_token(engine_url, ser
     assert len(logprobs) == len(token_ids)
     assert all(entry["logprob"] <= 0.0 for entry in logprobs)
     # Per-token bytes (a token may hold part of a UTF-8 character) add up to the text of the ids.
-    text_entries = [entry for entry, token_id in zip(logprobs, token_ids) if token_id not in tokenizer.all_special_ids]
+    text_entries = [entry for entry, token_id in zip(logprobs, token_ids, strict=True) if token_id not in tokenizer.all_special_ids]
     assert b"".join(bytes(entry["bytes"]) for entry in text_entries) == tokenizer.decode(
         token_ids, skip_special_tokens=True
     ).encode()

@@ -20,9 +20,9 @@ import pytest
 
 from polar_mitm import store
 from polar_mitm.util import free_port
-from tests.gatewayproc import Gateway
+from tests.support.gatewayproc import Gateway
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 POLAR_MITM = str(Path(sys.executable).with_name("polar-mitm"))
 LONG_CHAT = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Write a very long story."}], "max_tokens": 3000}
 

@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 from polar_mitm.dialects import anthropic_messages, reasoning
 from polar_mitm.exchange import Completion, DialectError, ParsedRequest, ToolCall
-from tests.gatewayproc import Gateway, proxy_env
+from tests.support.gatewayproc import Gateway, proxy_env
 
-FIXTURES = Path(__file__).parent / "fixtures" / "anthropic"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "anthropic"
 MODEL = "claude-opus-4-8"
 BASH_TOOL = {
     "name": "Bash",
@@ -362,12 +362,12 @@ def test_claude_code_fixtures_parse_without_loss(name: str) -> None:
         (t["name"], t["input_schema"], t.get("defer_loading")) for t in body["tools"]
     ]
     # fields with no engine meaning are recorded with their path
-    for path, value in _walk(body):
+    for path, _value in _walk(body):
         if path.endswith(".cache_control") or re.fullmatch(r"messages\[\d+\]\.output_config", path):
             assert path in ignored, path
     if body["thinking"].get("budget_tokens"):
         assert "thinking.budget_tokens" in ignored
-    for index, message in enumerate(body["messages"]):
+    for message in body["messages"]:
         for block in message["content"] if isinstance(message["content"], list) else []:
             if block["type"] == "tool_use":
                 calls = [c for m in chat["messages"] for c in m.get("tool_calls", [])]

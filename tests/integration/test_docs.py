@@ -21,7 +21,7 @@ import pytest
 from polar_mitm.local_engine.build import engine_home
 from polar_mitm.util import free_port
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 README_ENGINE = "http://127.0.0.1:8011/v1"
 
@@ -72,7 +72,7 @@ def test_the_readme_use_it_commands_run_as_written(tmp_path: Path, engine_url: s
         rows = run(sql_line).stdout
         assert "s1" in rows and "openai_chat" in rows
         assembled = run(assemble_line)
-        assert f"wrote" in assembled.stdout and str(work / "train.parquet") in assembled.stdout  # absolute: readable from anywhere
+        assert "wrote" in assembled.stdout and str(work / "train.parquet") in assembled.stdout  # absolute: readable from anywhere
         assert "loaded into table trajectories" in assembled.stdout and "through the writer of the gateway" in assembled.stdout
         # docs/debugging.md's SQL, against the live store: the views over trajectories work while the gateway runs
         for line in code_block(REPO / "docs" / "debugging.md", "## SQL"):

@@ -11,7 +11,6 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-
 # The reply shape of SGLang >= 0.5.13's /v1/chat/completions with return_meta_info and
 # return_prompt_token_ids (hand-made from its protocol; no SGLang can run on these CPU machines): a sample ended by
 # the stop string "STOP", which SGLang names in `matched_stop` and leaves out of the text but not out of the token ids.
@@ -65,7 +64,8 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class StandinUpstream:
-    """`mode="sglang"` answers like SGLang; `mode="500"` answers every completion with HTTP 500; `mode="hang"` answers after `delay` seconds."""
+    """`mode="sglang"` answers like SGLang; `mode="500"` answers every completion with HTTP 500; `mode="hang"` answers
+    after `delay` seconds."""
 
     def __init__(self, mode: str, delay: float = 0.0):
         handler = type("Handler", (_Handler,), {"mode": mode, "delay": delay})

@@ -2,7 +2,7 @@
 
 The clients are the official SDKs sending the system prompt and tools of recorded harness requests
 (tests/fixtures/contentview/, trimmed) with that harness's User-Agent: stand-ins for the harness binaries,
-which take minutes per run. Each session is a tool turn: the engine (steered by tests/debug_steer.py) calls
+which take minutes per run. Each session is a tool turn: the engine (steered by tests/support/debug_steer.py) calls
 the shell tool, the client sends a fixed tool result back, the engine answers in text.
 
 Two Qwen-Code-shaped sessions break on purpose: EDITED sends its second request with the first user message
@@ -23,11 +23,11 @@ import anthropic
 import duckdb
 import openai
 
-from tests import debug_steer
 from polar_mitm.util import free_port
-from tests.gatewayproc import Gateway, proxy_env
+from tests.support import debug_steer
+from tests.support.gatewayproc import Gateway, proxy_env
 
-FIXTURES = Path(__file__).parent / "fixtures" / "contentview"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "contentview"
 HOOK = f"{Path(debug_steer.__file__).resolve()}:steer"
 TASKS = {"list-files": "List the files in the repository.", "find-readme": "Find the README of this project."}
 SAMPLES = 2

@@ -1,4 +1,4 @@
-"""Engine hook for the debugging-tools run (`--engine-hook tests/debug_steer.py:steer`).
+"""Engine hook for the debugging-tools run (`--engine-hook tests/support/debug_steer.py:steer`).
 
 The random-weight engine is steered with a structured-output regex so the conversations look like agent turns:
 while a shell tool is offered and no tool result has come back, one shell call; after a tool result, a fixed

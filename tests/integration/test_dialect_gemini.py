@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 from polar_mitm import store
 from polar_mitm.dialects import dialect_for, gemini, reasoning
 from polar_mitm.exchange import Completion, DialectError, ParsedRequest, ToolCall
-from tests import steer_gemini
-from tests.gatewayproc import Gateway, proxy_env
+from tests.support import steer_gemini
+from tests.support.gatewayproc import Gateway, proxy_env
 
-FIXTURES = Path(__file__).parent / "fixtures" / "gemini"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "gemini"
 STEER_HOOK = f"{Path(steer_gemini.__file__)}:steer"
 MODEL = "gemini-2.5-flash"
 API_ROOT = "https://generativelanguage.googleapis.com/v1beta/models"

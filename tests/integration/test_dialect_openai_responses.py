@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 
 from polar_mitm.dialects import dialect_for, openai_responses, reasoning
 from polar_mitm.exchange import Completion, DialectError, ParsedRequest, ToolCall
-from tests.gatewayproc import Gateway, proxy_env
+from tests.support.gatewayproc import Gateway, proxy_env
 
-FIXTURES = Path(__file__).parent / "fixtures" / "responses"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "responses"
 MODEL = "gpt-5.5"
 SHELL_TOOL = {
     "type": "function",
@@ -395,7 +395,8 @@ def completion(**overrides: Any) -> Completion:
 
 
 def test_rendered_reasoning_round_trips_to_the_next_turn() -> None:
-    """An engine that returns reasoning separately (a vLLM reasoning parser) gets it back next turn via encrypted_content."""
+    """An engine that returns reasoning separately (a vLLM reasoning parser) gets it back next turn via
+    encrypted_content."""
     body = {"model": MODEL, "input": "List the files.", "tools": [SHELL_TOOL], "include": ["reasoning.encrypted_content"], "reasoning": {"summary": "auto"}, "stream": True}
     parsed = openai_responses.parse(json.dumps(body).encode())
     answer = completion(reasoning="Plan: run ls.", tool_calls=[ToolCall(id="call_9", name="shell", arguments='{"cmd": "ls"}')], finish_reason="tool_calls")
