@@ -240,6 +240,20 @@ def _show(diff: TurnDiff, ids: list[int], with_ids: bool = False) -> str:
     return f"{text}  {ids}" if with_ids else text
 
 
+def _token(diff: TurnDiff, tokens: list[int], seq: int) -> str:
+    if diff.shared >= len(tokens):
+        return f"seq {seq} has none (it ends there)"
+    token_id = tokens[diff.shared]
+    return f"seq {seq} has id {token_id}" + (f" {diff.tokenizer.text([token_id])!r}" if diff.tokenizer is not None else "")
+
+
+def _differing_ids(diff: TurnDiff) -> str:
+    before, after = diff.before.tokens, diff.after.prompt
+    first = str(before[diff.shared]) if diff.shared < len(before) else "end"
+    second = str(after[diff.shared]) if diff.shared < len(after) else "end"
+    return f"id {first} → {second}"
+
+
 def _message_counts(ops: list[MessageOp]) -> str:
     counts: dict[str, int] = {}
     for op in ops:
@@ -254,7 +268,7 @@ def summary_line(diff: TurnDiff) -> str:
     if diff.extends:
         tokens = f"extends (+{len(after.prompt) - len(before.tokens)} prompt tokens)"
     else:
-        tokens = f"BREAK at token {diff.shared} of {len(before.tokens)}: {diff.break_kind or 'no break class (' + (diff.assembler_note or 'not diagnosed') + ')'}"
+        tokens = f"BREAK at token {diff.shared} of {len(before.tokens)} ({_differing_ids(diff)}): {diff.break_kind or 'no break class (' + (diff.assembler_note or 'not diagnosed') + ')'}"
     return f"{head}  {tokens}; messages: {_message_counts(diff.messages)}"
 
 
@@ -294,6 +308,8 @@ def format_diff(diff: TurnDiff) -> str:
         # ids too: a retokenized break has the same text on both sides
         out.append(f"    seq {before.seq:<4} → {_show(diff, before.tokens[diff.shared: diff.shared + n], True)}")
         out.append(f"    seq {after.seq:<4} → {_show(diff, after.prompt[diff.shared: diff.shared + n], True)}")
+        # the excerpts' texts can look alike (same words, other ids; two end-of-turn tokens): name the first pair
+        out.append(f"    first different token: {_token(diff, before.tokens, before.seq)}, {_token(diff, after.prompt, after.seq)}")
         if diff.break_kind:
             out.append(f"  break class: {diff.break_kind}")
             if diff.break_detail:

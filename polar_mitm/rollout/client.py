@@ -91,12 +91,25 @@ def summary_table(result: dict[str, Any]) -> str:
     lines = ["  ".join(str(cell).ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in [header, *rows]]
     stats = result.get("trajectory_stats") or {}
     lines.append("")
-    lines.append(f"task {result['task_id']}: {result['status']}; " + ", ".join(f"{k} {v}" for k, v in sorted(result["counts"].items())))
+    lines.append(task_line(result))
     if result.get("trajectories"):
         lines.append(f"trajectories: {result['trajectories']} ({stats.get('sequences', 0)} sequences, {stats.get('sampled_tokens', 0)} sampled tokens)")
     elif stats.get("error"):
         lines.append(f"trajectories: not written ({stats['error']})")
     return "\n".join(lines)
+
+
+def task_line(result: dict[str, Any]) -> str:
+    """The task in one line. A task's own status says only whether its sessions are all over (`completed`), so the
+    line says how many of them completed: a task whose sessions all timed out did not complete."""
+    sessions = len(result["sessions"])
+    completed = result["counts"].get("completed", 0)
+    counts = ", ".join(f"{k} {v}" for k, v in sorted(result["counts"].items()))
+    if result["status"] == "completed":
+        state = f"all sessions ended, {completed} of {sessions} completed" if completed < sessions else f"completed ({sessions} of {sessions} sessions)"
+    else:
+        state = result["status"]
+    return f"task {result['task_id']}: {state}; {counts}"
 
 
 def _seconds(timing: dict[str, Any] | None) -> str:

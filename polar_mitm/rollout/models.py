@@ -235,7 +235,7 @@ class Delivery(BaseModel):
 class TaskResult(BaseModel):
     kind: Literal["task_result"] = "task_result"
     task_id: str
-    status: Literal["running", "completed", "cancelled"]
+    status: Literal["running", "completed", "cancelled"] = Field(description="completed: every session has ended, whatever its own status (see counts).")
     created_at: datetime
     finished_at: datetime | None = None
     counts: dict[str, int] = Field(default_factory=dict, description="Sessions per status.")

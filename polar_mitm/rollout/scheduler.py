@@ -20,7 +20,7 @@ import asyncio
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -382,6 +382,13 @@ class Scheduler:
 
     def session(self, session_id: str) -> SessionResult:
         return self.tasks[self.session_tasks[session_id]].sessions[session_id]
+
+    async def count_exchanges_now(self, sessions: Iterable[SessionResult]) -> None:
+        """Bring `n_exchanges` of sessions still under way up to date (a session counts its exchanges once, when its
+        harness ends); answers about running sessions call this first."""
+        for result in sessions:
+            if not result.done and result.status != "queued":
+                result.n_exchanges = await self.node.count_exchanges(result.session_id)
 
     def cancel_session(self, session_id: str) -> SessionResult:
         task = self.tasks[self.session_tasks[session_id]]

@@ -82,24 +82,29 @@ def create_app(config: NodeConfig, callbacks: CallbackSender | None = None) -> F
 
     @app.get("/tasks", response_model=list[TaskResult])
     async def list_tasks(request: Request) -> Any:
-        return [task.result() for task in scheduler(request).tasks.values()]
+        tasks = scheduler(request).tasks.values()
+        await scheduler(request).count_exchanges_now(s for task in tasks for s in task.sessions.values())
+        return [task.result() for task in tasks]
 
     @app.get("/tasks/{task_id}", response_model=TaskResult, responses={404: {}})
     async def get_task(task_id: str, request: Request) -> Any:
         if task_id not in scheduler(request).tasks:
             return _not_found("task", task_id)
+        await scheduler(request).count_exchanges_now(scheduler(request).task(task_id).sessions.values())
         return scheduler(request).task(task_id).result()
 
     @app.get("/tasks/{task_id}/sessions", response_model=list[SessionResult], responses={404: {}})
     async def get_task_sessions(task_id: str, request: Request) -> Any:
         if task_id not in scheduler(request).tasks:
             return _not_found("task", task_id)
+        await scheduler(request).count_exchanges_now(scheduler(request).task(task_id).sessions.values())
         return scheduler(request).task(task_id).result().sessions
 
     @app.get("/sessions/{session_id}", response_model=SessionResult, responses={404: {}})
     async def get_session(session_id: str, request: Request) -> Any:
         if session_id not in scheduler(request).session_tasks:
             return _not_found("session", session_id)
+        await scheduler(request).count_exchanges_now([scheduler(request).session(session_id)])
         return scheduler(request).session(session_id)
 
     @app.delete("/tasks/{task_id}", status_code=202, response_model=TaskResult, responses={404: {}})

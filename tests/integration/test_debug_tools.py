@@ -342,8 +342,12 @@ def test_diff_names_the_index_and_class_of_a_real_break(debug_store, engine_url:
     assert "  ~ [1] user: edited\n      - Please list the files in the repository.\n      + Please list the folders in the repository." in detail
     assert "  = [2] assistant: turn's reply, sent back as sampled" in detail
     assert re.search(r"seq 1 +→ ' files in the repository", detail) and re.search(r"seq 2 +→ ' folders in the repository", detail)
+    turn2_prompt = store.query_dicts(db, "SELECT prompt_token_ids FROM exchanges WHERE session_id = ? AND seq = 2", [debug_run.EDITED])[0]["prompt_token_ids"]
+    ids = (turn1["prompt_token_ids"][expected], turn2_prompt[expected])
+    # the first differing ids are named, with their text: excerpts can read alike when only the ids differ
+    assert f"first different token: seq 1 has id {ids[0]} ' files', seq 2 has id {ids[1]} ' folders'" in detail
     summary = diff(db, debug_run.EDITED)
-    assert f"seq 1 → 2  BREAK at token {expected} of {len(turn1['prompt_token_ids']) + len(turn1['completion_token_ids'])}: rewritten; messages: 1 edited, 1 resent, 1 added" in summary
+    assert f"seq 1 → 2  BREAK at token {expected} of {len(turn1['prompt_token_ids']) + len(turn1['completion_token_ids'])} (id {ids[0]} → {ids[1]}): rewritten; messages: 1 edited, 1 resent, 1 added" in summary
 
     # a sample cut off by max_tokens and sent back: the break lies at its first sampled token
     cut_turn = store.query_dicts(db, "SELECT prompt_token_ids, finish_reason FROM exchanges WHERE session_id = ? AND seq = 1", [debug_run.CUT])[0]

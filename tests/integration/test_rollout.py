@@ -359,6 +359,10 @@ def test_timeout_keeps_the_exchanges_and_removes_the_sandbox(server: RolloutServ
     assert [(r["status"], r["finish_reason"]) for r in rows] == [("ok", "tool_calls")]
     assert session["n_exchanges"] == 1 and session["trajectory"]["sequences"] == 1
     assert server.rows("SELECT status FROM sessions WHERE session_id = ?", [session["session_id"]]) == [{"status": "timed_out"}]
+    # the summary `rollout submit --wait` prints does not call this task completed
+    from polar_mitm.rollout.client import summary_table
+
+    assert f"task {accepted['task_id']}: all sessions ended, 0 of 1 completed; timed_out 1" in summary_table(result)
     # the sandbox is gone, the tool's `sleep` included
     assert sandbox_left(session["session_id"]) == []
 
@@ -372,6 +376,9 @@ def test_cancel_a_session_and_a_task_mid_run(server: RolloutServer, engine_url: 
     while len(server.rows("SELECT DISTINCT session_id FROM exchanges WHERE session_id IN (?, ?)", [first, second])) < 2:
         assert time.monotonic() < deadline, server.task(accepted["task_id"])
         time.sleep(1)
+    # mid-run, the task already counts the exchanges its sessions made
+    assert [s["n_exchanges"] for s in server.task(accepted["task_id"])["sessions"]] == [1, 1]
+    assert server.client.get(f"/sessions/{first}").json()["n_exchanges"] == 1
     response = server.client.delete(f"/sessions/{first}")
     assert response.status_code == 202 and response.json()["session_id"] == first
     deadline = time.monotonic() + 60

@@ -111,7 +111,9 @@ def test_make_master_sets_every_addon_option_from_the_config(tmp_path: Path) -> 
                 expected = str(values[option.name]) if option.type is Path else values[option.name]
                 assert getattr(master.options, option.mitmproxy_name) == expected, option.name
         finally:
-            master.addons.get("polaraddon").store.close()
+            # the store opens in running(), once every option is set and checked: nothing is opened before
+            assert master.addons.get("polaraddon").store is None
+            assert not Path(values["db"]).exists()
 
     asyncio.run(main())
 
@@ -134,6 +136,6 @@ def test_values_are_checked_in_the_addons_configure(tmp_path: Path) -> None:
                 with pytest.raises(OptionsError, match=message):
                     master.options.update(**{option: value})
         finally:
-            master.addons.get("polaraddon").store.close()
+            assert master.addons.get("polaraddon").store is None and not (tmp_path / "store.duckdb").exists()
 
     asyncio.run(main())
