@@ -76,7 +76,7 @@ def _demo(args: argparse.Namespace) -> int:
         print(format_table(columns, rows, max_width=80))
         record = dict(zip(columns, rows[0], strict=True))
         print(json.dumps({"prompt_token_ids": record["prompt_token_ids"], "completion_token_ids": record["completion_token_ids"]}))
-        print(f"demo: store at {args.db}; try: polar-mitm sql --db {args.db} session_timeline")
+        print(f"demo: store at {args.db.resolve()}; try: polar-mitm sql --db {args.db.resolve()} session_timeline")
         return 0
     finally:
         gateway.terminate()

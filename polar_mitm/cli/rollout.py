@@ -152,5 +152,6 @@ def _run(args: argparse.Namespace) -> int:
         print("polar-mitm rollout: the server did not start", file=sys.stderr)
         return 2
     print(summary_table(result))
-    print(f"store: {args.gateway_db}  (e.g. polar-mitm sql --db {args.gateway_db} \"SELECT session_id, status, reward FROM sessions WHERE task_id = '{result['task_id']}'\")")
+    db = Path(args.gateway_db).resolve()
+    print(f"store: {db}  (e.g. polar-mitm sql --db {db} \"SELECT session_id, status, reward FROM sessions WHERE task_id = '{result['task_id']}'\")")
     return 0 if all(s["status"] == "completed" for s in result["sessions"]) else 1

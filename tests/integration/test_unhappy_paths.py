@@ -274,6 +274,7 @@ def test_demo_removes_its_confdir_with_the_cas_private_key(tmp_path: Path, engin
     result = cli("demo", "--engine-url", engine_url, "--db", "d.duckdb", cwd=tmp_path, timeout=180, env={**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(temp)})
     assert result.returncode == 0, result.stderr
     assert "completion_token_ids" in result.stdout
+    assert f"demo: store at {tmp_path / 'd.duckdb'};" in result.stdout  # absolute: the hint works from anywhere
     assert list(temp.iterdir()) == []  # no polar-demo-* confdir, no mitmproxy-ca.pem (the CA's private key)
 
 
