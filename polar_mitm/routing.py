@@ -170,6 +170,18 @@ def proxy_url(gateway: str, confdir: str | Path, session_id: str) -> str:
     return f"http://{session_id}:{token}@{host}:{parts.port or 80}"
 
 
+def check_listening(gateway: str, timeout: float = 5.0) -> None:
+    """RunError unless something accepts connections at the gateway URL."""
+    import socket
+
+    parts = urlsplit(gateway if "://" in gateway else f"http://{gateway}")
+    try:
+        with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 80), timeout=timeout):
+            pass
+    except OSError as error:
+        raise RunError(f"no gateway listening at {gateway} ({error}); start `polar-mitm gateway` or pass --gateway") from error
+
+
 def check_gateway(proxy: str, timeout: float = 5.0) -> None:
     """Ask the gateway to open a tunnel with these proxy credentials, as a harness's first request would; RunError
     says why it would not serve them (nothing listening, or a 407: credentials of another confdir's secret)."""
@@ -185,7 +197,7 @@ def check_gateway(proxy: str, timeout: float = 5.0) -> None:
             connection.sendall(request.encode())
             status_line = connection.recv(4096).split(b"\r\n", 1)[0].decode("latin-1")
     except OSError as error:
-        raise RunError(f"no gateway listening at {where} ({error}); start `polar-mitm gateway` or pass --gateway") from error
+        raise RunError(f"could not ask the gateway at {where} to open a tunnel: {error}") from error
     status = status_line.split(" ")[1] if status_line.count(" ") >= 1 else ""
     if status == "407":
         raise RunError(

@@ -28,6 +28,7 @@ from polar_mitm.routing import (
     DEFAULT_GATEWAY,
     GATEWAY_FILE,
     check_gateway,
+    check_listening,
     find_gateway,
     proxy_environment,
 )
@@ -64,6 +65,7 @@ def _run(args: argparse.Namespace) -> int:
     temporary_home: str | None = None
     try:
         gateway, picked = find_gateway(args.confdir, args.gateway)
+        check_listening(gateway)  # before anything is written to the confdir
         env = proxy_environment(session_id, args.confdir, gateway)
         # before the harness starts: a harness shows a bare 407 or a connection error badly, or not at all
         check_gateway(env["HTTPS_PROXY"])

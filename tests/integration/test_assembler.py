@@ -359,13 +359,13 @@ def test_rewards_groups_parquet_and_table(make_gateway, session_id: str, tokeniz
         writer.writerows([session, reward, "task-b"] for session, reward in task_b.items())
 
     command = [sys.executable, "-m", "polar_mitm.cli", "assemble", "--db", str(gw.db), "--builder", "per_request", "--rewards", str(rewards_csv)]
-    # while the gateway holds the store: Parquet beside it, no table, and the user is told so
+    # while the gateway holds the store: the gateway loads the table through its own writer
     held = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert held.returncode == 0, held.stderr
-    beside = gw.db.with_name(gw.db.name + ".trajectories-per_request.parquet")
-    assert "holds" in held.stdout and str(beside) in held.stdout and beside.exists()
-    assert gw.rows("SELECT count(*) AS n FROM information_schema.tables WHERE table_name = 'trajectories'")[0]["n"] == 0
-    assert len(gw.rows(f"SELECT * FROM read_parquet('{beside}')")) == 7
+    assert f"loaded into table trajectories of {gw.db} through the writer of the gateway" in held.stdout
+    assert not gw.db.with_name(gw.db.name + ".trajectories-per_request.parquet").exists()  # no --out: not kept
+    assert gw.rows("SELECT count(*) AS n FROM trajectories WHERE builder = 'per_request'")[0]["n"] == 7
+    assert gw.rows("SELECT count(*) AS n FROM breaks")[0]["n"] == 0  # the views over it work while it runs
 
     gw.stop()
     # what a rollout server records: task, status and reward of each session (the crashed one failed)
