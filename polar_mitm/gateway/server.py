@@ -72,6 +72,10 @@ def make_master(config: GatewayConfig):
         from mitmproxy.tools.web.master import WebMaster
 
         master = WebMaster(opts, with_termlog=True)
+        mitmweb_check = master.addons.get("errorcheck")
+        mitmweb_check.finish()  # its log handler goes with it
+        master.addons.remove(mitmweb_check)
+        master.addons.add(StartupCheck())
     else:
         master = mitmproxy_master.Master(opts, with_termlog=config.verbose)
         master.addons.add(*gateway_addons())

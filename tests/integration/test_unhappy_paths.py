@@ -182,20 +182,21 @@ def test_an_upstream_without_v1_fails_at_start_saying_the_expected_url(tmp_path:
     assert not list(tmp_path.glob("mine.duckdb*"))
 
 
-@pytest.mark.parametrize("verbose", [False, True], ids=["quiet", "verbose"])
-def test_a_port_in_use_is_said_in_one_line_without_a_mode_hint_and_nothing_is_written(tmp_path: Path, engine_url: str, verbose: bool) -> None:
+@pytest.mark.parametrize("mode", ["quiet", "verbose", "web"])
+def test_a_port_in_use_is_said_in_one_line_without_a_mode_hint_and_nothing_is_written(tmp_path: Path, engine_url: str, mode: str) -> None:
     import socket
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = cli(*gateway_args(port, tmp_path / "confdir", engine_url), *(["-v"] if verbose else []), cwd=tmp_path)
+        extra = {"quiet": [], "verbose": ["-v"], "web": ["--web", "--web-port", str(free_port())]}[mode]
+        result = cli(*gateway_args(port, tmp_path / "confdir", engine_url), *extra, cwd=tmp_path)
     output = result.stdout + result.stderr
     assert result.returncode == 1
     assert f"polar-mitm gateway: [Errno 98] HTTP(S) proxy failed to listen on 127.0.0.1:{port}" in output and "address already in use" in output
     assert "--mode" not in output and "Error logged during startup" not in output
-    if not verbose:
+    if mode == "quiet":
         one_line(result)
     assert not list(tmp_path.glob("mine.duckdb*"))
 
