@@ -219,6 +219,9 @@ def test_sigkill_mid_compaction_loses_and_duplicates_nothing(tmp_path: Path, aft
         seqs = reopened.query("SELECT session_id, list(seq ORDER BY seq) FROM exchanges GROUP BY ALL")[1]
     finally:
         reopened.close()
+    # a segment file the kill left unlisted (its journal was compacted again) is gone; every listed one is there
+    listed = sorted(r[0] for r in store.query(db, f"SELECT file FROM {store.SEGMENTS_TABLE}")[1])
+    assert sorted(path.name for path in store.segments_dir(db).iterdir()) == listed
     assert len(ids) == len(set(ids)), "an exchange is in a journal and a segment at once"
     assert set(committed) <= set(ids), "a committed exchange was lost"
     # counters the writer had not flushed are recounted from the exchanges; what the rollout wrote is kept
