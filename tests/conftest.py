@@ -28,7 +28,8 @@ def engine_url() -> Iterator[str]:
         engine.stop()
 
 
-from tests.gatewayproc import Gateway, free_port  # noqa: E402
+from polar_mitm.util import free_port  # noqa: E402
+from tests.support.gatewayproc import Gateway  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -65,18 +66,18 @@ def session_id(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture(scope="session")
 def debug_store(engine_url: str, tmp_path_factory: pytest.TempPathFactory):
-    """A small real run for the debugging tools (tests/debug_run.py): harness-shaped SDK sessions on two tasks,
+    """A small real run for the debugging tools (tests/support/debug_run.py): harness-shaped SDK sessions on two tasks,
     two sessions that break on purpose, rewards recorded, trajectories assembled; the gateway has stopped."""
-    from tests import debug_run
+    from tests.support import debug_run
 
     return debug_run.build(engine_url, tmp_path_factory.mktemp("debug_run"))
 
 
 @pytest.fixture(scope="session")
 def readme_store(engine_url: str, tmp_path_factory: pytest.TempPathFactory):
-    """The README's main job, run with `--db hello.duckdb` in a directory of its own (tests/user_stores.py)."""
+    """The README's main job, run with `--db hello.duckdb` in a directory of its own (tests/support/user_stores.py)."""
     from polar_mitm.errors import HarnessNotInstalled
-    from tests import user_stores
+    from tests.support import user_stores
 
     try:
         return user_stores.build_readme_store(engine_url, tmp_path_factory.mktemp("readme_store"))
@@ -86,7 +87,7 @@ def readme_store(engine_url: str, tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="session")
 def run_store(engine_url: str, tmp_path_factory: pytest.TempPathFactory):
-    """`polar-mitm gateway --db run.duckdb` + two `polar-mitm run` sessions, no rollout task (tests/user_stores.py)."""
-    from tests import user_stores
+    """`polar-mitm gateway --db run.duckdb`, two `polar-mitm run` sessions, no task (tests/support/user_stores.py)."""
+    from tests.support import user_stores
 
     return user_stores.build_run_store(engine_url, tmp_path_factory.mktemp("run_store"))

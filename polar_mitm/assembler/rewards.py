@@ -114,7 +114,7 @@ def score_sessions(
     for group, session_ids_in_group in members.items():
         counted = [s for s in session_ids_in_group if scores[s].trainable and scores[s].reward is not None]
         mean, std, no_signal, values = group_advantages([scores[s].reward for s in counted])
-        for session_id, value in zip(counted, values):
+        for session_id, value in zip(counted, values, strict=True):
             scores[session_id].advantage = value
         for session_id in session_ids_in_group:
             scores[session_id].no_signal = no_signal

@@ -143,7 +143,7 @@ def load_exchanges(read: Reader, session_ids: list[str]) -> dict[str, list[Excha
         columns = [table.column(n).to_pylist() if n else None for n in names]
         plain = [[c[i] if c else None for c in columns] for i in range(table.num_rows)]
     out: dict[str, list[Exchange]] = {}
-    for row, prompt, completion, logprob in zip(plain, prompts, completions, logprobs):
+    for row, prompt, completion, logprob in zip(plain, prompts, completions, logprobs, strict=True):
         if len(logprob) != len(completion):
             # the gateway refuses such replies; a store written by something else must not misalign the mask
             raise ValueError(f"exchange {row[0]}: {len(completion)} sampled tokens but {len(logprob)} logprobs")

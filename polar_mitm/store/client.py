@@ -58,7 +58,7 @@ def query(db_path: str | os.PathLike[str], sql: str, params: list[Any] | None = 
 
 def query_dicts(db_path: str | os.PathLike[str], sql: str, params: list[Any] | None = None) -> list[dict[str, Any]]:
     columns, rows = query(db_path, sql, params)
-    return [dict(zip(columns, row)) for row in rows]
+    return [dict(zip(columns, row, strict=True)) for row in rows]
 
 
 def _pid_alive(pid: Any) -> bool:

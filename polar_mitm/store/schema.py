@@ -13,7 +13,7 @@ and it imports nothing of ours.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any, TypedDict
 
 import pyarrow as pa
@@ -187,7 +187,7 @@ TRAJECTORIES_SCHEMA = pa.schema(
 
 
 def now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 def quote(text: str) -> str:

@@ -173,7 +173,7 @@ def write_segment(con: duckdb.DuckDBPyConnection, number: int, directory: Path) 
 
 
 def migrate_v1(con: duckdb.DuckDBPyConnection, directory: Path) -> str | None:
-    """Schema 1 kept `exchanges` as a table: it becomes the next segment (its file returned; None if there was nothing)."""
+    """Schema 1 kept `exchanges` as a table: it becomes the next segment (its file returned; None if it was empty)."""
     is_table = con.execute("SELECT count(*) FROM duckdb_tables() WHERE schema_name = 'main' AND table_name = 'exchanges'").fetchall()[0][0]
     if not is_table:
         return None
@@ -222,7 +222,7 @@ def checkpoint_soon(con: duckdb.DuckDBPyConnection, attempts: int = 2000) -> boo
 
 
 def add_segment(con: duckdb.DuckDBPyConnection, db_path: str | os.PathLike[str], rows: pa.Table) -> None:
-    """Bulk-load exchange rows (an Arrow table, any subset of the columns) as one segment of a store no Store has open."""
+    """Bulk-load exchange rows (an Arrow table, any subset of the columns) as a segment of a store no Store has open."""
     number = next_segment(con)
     file = segment_file(number)
     con.register("polar_bulk_rows", rows)
