@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from polar_mitm.assembler.records import Sequence
-from polar_mitm.store import Store, views
+from polar_mitm.store import Store, connect, views
 from polar_mitm.store.client import load_trajectories
 from polar_mitm.store.schema import TRAJECTORIES as TABLE
 from polar_mitm.store.schema import TRAJECTORIES_SCHEMA as SCHEMA
@@ -109,7 +109,7 @@ def store_trajectories(db_path: str | os.PathLike[str] | None, parquet: Path, st
     if load_trajectories(db, parquet):
         return StoreWrite(True, f"loaded into table {TABLE} of {db} through the writer of the gateway that holds it")
     try:
-        con = duckdb.connect(str(db))
+        con = connect(db)
     except duckdb.IOException as error:
         if "lock" not in str(error).lower():
             raise
