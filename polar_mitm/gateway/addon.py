@@ -39,6 +39,7 @@ CLIENT_CHECK_S = 0.25
 # at a clean stop, how long calls cancelled on the engine get to commit their rows before the store closes
 SHUTDOWN_COMMIT_S = 10.0
 
+
 class PolarAddon:
     def __init__(self) -> None:
         self.store: Store | None = None
