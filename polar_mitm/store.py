@@ -84,6 +84,12 @@ EXCHANGE_COLUMNS: dict[str, str] = {
     "engine_started_at": "TIMESTAMPTZ",
     "engine_ended_at": "TIMESTAMPTZ",
     "ended_at": "TIMESTAMPTZ",
+    # who rendered the prompt (chat: the engine; tokens: the gateway), and in tokens mode whether it continues an
+    # earlier exchange's exact tokens (bridged) or why not; output_parse_error: sampled tool calls that did not parse
+    "render_mode": "VARCHAR",
+    "bridged": "BOOLEAN",
+    "bridge_reason": "VARCHAR",
+    "output_parse_error": "VARCHAR",
 }
 
 SESSION_COLUMNS: dict[str, str] = {

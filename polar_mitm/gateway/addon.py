@@ -25,7 +25,9 @@ from mitmproxy import ctx, exceptions, http
 from polar_mitm import dialects, redact, session
 from polar_mitm.engines import make_engine
 from polar_mitm.engines.base import Engine
+from polar_mitm.errors import RenderError
 from polar_mitm.exchange import DialectError, EngineError, ParsedRequest
+from polar_mitm.render.serve import RENDER_MODES, TokenPath
 from polar_mitm.run_cli import GATEWAY_FILE
 from polar_mitm.store import Store, now
 
@@ -42,6 +44,7 @@ class PolarAddon:
         self.model_map: list[tuple[str, str | None]] = []
         self.announced: Path | None = None
         self.engine_hook: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any] | None] | None = None
+        self.tokens: TokenPath | None = None  # --render tokens
 
     def load(self, loader: Any) -> None:
         loader.add_option("polar_upstream", str, "", "The inference engine's OpenAI-compatible base URL, e.g. http://127.0.0.1:8011/v1.")
@@ -74,6 +77,14 @@ class PolarAddon:
             "",
             "A function 'module:name' or 'path/to/file.py:name' called as hook(engine_request, context) before each engine call; it may return a changed request (e.g. sampling params, structured outputs). The row records the request as sent.",
         )
+        loader.add_option(
+            "polar_render",
+            str,
+            "chat",
+            "Who renders the prompt: chat (the engine applies its chat template to the messages) or tokens (the gateway renders it with the model's template, bridges turns of a lineage token-exactly and calls the engine with token ids).",
+        )
+        loader.add_option("polar_render_model", str, "", "Tokens mode: the model directory or local Hugging Face id whose tokenizer and chat template render prompts; empty: the engine's own model directory.")
+        loader.add_option("polar_tool_parser", str, "hermes", "Tokens mode: the model's tool-call format in sampled text: hermes, qwen3_coder or none.")
         loader.add_option("polar_sql_port", int, 0, "Loopback port of the read-only SQL endpoint for other processes (0: any free port).")
 
     def configure(self, updated: set[str]) -> None:
@@ -89,6 +100,14 @@ class PolarAddon:
             if ctx.options.polar_engine_timeout <= 0:
                 raise exceptions.OptionsError("polar_engine_timeout must be positive")
             self.engine = make_engine(ctx.options.polar_engine, upstream, ctx.options.polar_engine_model or None, ctx.options.polar_engine_timeout, ctx.options.polar_split_reasoning) if upstream else None
+        if updated & {"polar_upstream", "polar_engine", "polar_engine_model", "polar_engine_timeout", "polar_split_reasoning", "polar_render", "polar_render_model", "polar_tool_parser"}:
+            if ctx.options.polar_render not in RENDER_MODES:
+                raise exceptions.OptionsError(f"polar_render must be one of {', '.join(RENDER_MODES)}, got {ctx.options.polar_render!r}")
+            try:
+                tokens = ctx.options.polar_render == "tokens" and self.engine is not None
+                self.tokens = TokenPath(self.engine, ctx.options.polar_render_model or None, ctx.options.polar_tool_parser) if tokens else None
+            except ValueError as error:
+                raise exceptions.OptionsError(f"polar_tool_parser: {error}") from error
         if "polar_model_map" in updated:
             self.model_map = []
             for entry in ctx.options.polar_model_map:
@@ -220,6 +239,9 @@ class PolarAddon:
             parsed = dialect.parse(raw_body, path, dict(query))
             row.update(model_requested=parsed.model, stream=parsed.stream, ignored_fields=parsed.ignored, normalizations=parsed.normalizations, action=parsed.action)
             status_code, content_type, body, body_json = await self._serve(parsed, dialect, row)
+        except RenderError as error:
+            row.update(status="render_error", error=error.message)
+            status_code, content_type, body, body_json = self._error(dialect, error)
         except DialectError as error:
             row.update(status="bad_request" if error.status < 500 else "internal_error", error=error.message)
             status_code, content_type, body, body_json = self._error(dialect, error)
@@ -263,10 +285,13 @@ class PolarAddon:
         if self.engine_hook is not None:
             context = {key: row.get(key) for key in ("session_id", "seq", "api", "model_requested", "harness", "path")}
             engine_request = self.engine_hook(engine_request, context) or engine_request
-        row["engine_request"] = engine_request
         row["engine_started_at"] = now()
         try:
-            sent, raw, completion = await self.engine.complete(engine_request)
+            if self.tokens is not None:
+                sent, raw, completion = await self.tokens.complete(parsed, engine_request, engine_model, row)
+            else:
+                row.update(engine_request=engine_request, render_mode="chat")
+                sent, raw, completion = await self.engine.complete(engine_request)
         finally:
             row["engine_ended_at"] = now()
         row.update(

@@ -22,6 +22,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--require-auth", action="store_true", help="407 unless the proxy URL carries valid session credentials")
     parser.add_argument("--passthrough", action="append", default=[], metavar="HOST_GLOB", help="forward non-model traffic to these hosts (repeatable)")
     parser.add_argument("--engine-hook", default="", metavar="MODULE:FUNC", help="function applied to each engine request (sampling params, structured outputs)")
+    parser.add_argument("--render", choices=["chat", "tokens"], default="chat", help="chat: the engine renders prompts from messages (default); tokens: the gateway renders them, bridges turns of a lineage token-exactly and calls the engine token-in")
+    parser.add_argument("--render-model", help="tokens mode: model directory or local Hugging Face id for tokenizer + chat template (default: the engine's model directory)")
+    parser.add_argument("--tool-parser", choices=["hermes", "qwen3_coder", "none"], default="hermes", help="tokens mode: the tool-call format the model samples (default hermes)")
     parser.add_argument("--sql-port", type=int, default=0, help="loopback port for read-only SQL from other processes (default: any)")
     parser.add_argument("--web", action="store_true", help="serve mitmweb's UI too")
     parser.add_argument("--web-port", type=int, default=8081)
@@ -35,7 +38,7 @@ def _gateway(args: argparse.Namespace) -> int:
     config = GatewayConfig(
         port=args.port, upstream=args.upstream, db=args.db, confdir=args.confdir, engine=args.engine,
         engine_model=args.engine_model, engine_timeout=args.engine_timeout, split_reasoning=args.split_reasoning, model_map=args.model_map,
-        require_auth=args.require_auth, passthrough=args.passthrough, engine_hook=args.engine_hook, sql_port=args.sql_port,
+        require_auth=args.require_auth, passthrough=args.passthrough, engine_hook=args.engine_hook, render=args.render, render_model=args.render_model, tool_parser=args.tool_parser, sql_port=args.sql_port,
         web=args.web, web_port=args.web_port, verbose=args.verbose,
     )
     server.run(config)

@@ -23,6 +23,9 @@ class GatewayConfig(BaseModel):
     require_auth: bool = False
     passthrough: list[str] = Field(default_factory=list)
     engine_hook: str = Field("", description="'module:function' or 'file.py:function' applied to each engine request.")
+    render: str = Field("chat", pattern="^(chat|tokens)$", description="Who renders prompts: chat (the engine) or tokens (the gateway, token-in, turns bridged).")
+    render_model: str | None = Field(None, description="Tokens mode: model directory or local Hugging Face id for the tokenizer and chat template; default the engine's.")
+    tool_parser: str = Field("hermes", pattern="^(hermes|qwen3_coder|none)$", description="Tokens mode: the tool-call format in sampled text.")
     sql_port: int = 0
     web: bool = False
     web_port: int = 8081

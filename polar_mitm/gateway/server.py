@@ -50,6 +50,9 @@ def make_master(config: GatewayConfig):
         "polar_passthrough": list(config.passthrough),
         "polar_sql_port": config.sql_port,
         "polar_engine_hook": config.engine_hook,
+        "polar_render": config.render,
+        "polar_render_model": config.render_model or "",
+        "polar_tool_parser": config.tool_parser,
         # the body must reach our hook whole; never stream it past the addon
         "stream_large_bodies": None,
     }
