@@ -218,17 +218,23 @@ def test_without_reasoning_the_bridge_decodes_to_the_full_render(renderer: Rende
     assert renderer.decode(bridged.prompt_ids) == renderer.prompt_text(chat2)
 
 
-def test_a_turn_cut_off_by_max_tokens_is_closed_as_the_template_closes_it(renderer: Renderer) -> None:
+@pytest.mark.parametrize("ending", ["cut_off", "endoftext"])
+def test_a_turn_not_ended_by_the_templates_token_is_closed_as_the_template_closes_it(renderer: Renderer, ending: str) -> None:
+    """Cut off by max_tokens, or stopped by another of the engine's stop tokens (<|endoftext|>): kept verbatim,
+    then the template's whole end of turn."""
     lineages = bridge.Lineages()
     chat = {"messages": [{"role": "user", "content": "say hi"}]}
     conversation = renderer.conversation(chat["messages"])
     setup = bridge.setup_key(renderer, chat)
-    prompt, completion = renderer.prompt_ids(chat), renderer.encode("hi th")  # no <|im_end|>: cut off
+    completion = renderer.encode("hi th") + ([renderer.tokenizer.convert_tokens_to_ids("<|endoftext|>")] if ending == "endoftext" else [])
+    assert renderer.sampled_text(completion) == "hi th"
+    prompt = renderer.prompt_ids(chat)
     lineages.remember("s", bridge.make_turn("x1", conversation, bridge.answer_message("hi th", []), setup, prompt, completion))
     turn2 = chat["messages"] + [{"role": "assistant", "content": "hi th"}, {"role": "user", "content": "go on"}]
     parent, covered, _ = lineages.find("s", renderer.conversation(turn2), setup)
     bridged = bridge.bridge(renderer, parent, renderer.conversation(turn2), covered, None, {})
-    assert renderer.decode(bridged.tail_ids).startswith("<|im_end|>\n<|im_start|>user\ngo on")
+    assert bridged.prompt_ids[: len(prompt) + len(completion)] == prompt + completion
+    assert renderer.decode(bridged.tail_ids) == "<|im_end|>\n<|im_start|>user\ngo on<|im_end|>\n<|im_start|>assistant\n"
 
 
 def test_unbridged_turns_say_why(renderer: Renderer) -> None:

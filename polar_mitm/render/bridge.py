@@ -15,7 +15,8 @@ templates that strip earlier `<think>` render it the same either way), then the 
 with the generation prompt. The first must be a text prefix of the second; what the second adds is the new
 messages. The first ends with the template's end of our turn: the end-of-turn token (`<|im_end|>`) and what
 follows it (`\\n`). If the sample stopped on that token, the sampled ids already hold it and only what follows
-it is added; otherwise (cut off by max_tokens or a stop string) the whole end of turn is. Tokenizing that text
+it is added; otherwise (cut off by max_tokens or a stop string, or stopped by another stop token such as
+`<|endoftext|>`, kept verbatim) the whole end of turn is. Tokenizing that text
 on its own gives the ids a full render would, since it starts right after a special token, where the
 tokenizer splits anyway. Whatever does not hold (no end-of-turn token in the head, head not a prefix) is
 `template_mismatch` and a full render.
@@ -152,8 +153,10 @@ def bridge(renderer: Renderer, parent: Turn, conversation: list[dict[str, Any]],
     end_of_turn = head.rfind(renderer.eos_token) if renderer.eos_token else -1
     if not full.startswith(head) or end_of_turn < 0 or head[end_of_turn + len(renderer.eos_token) :].strip():
         return None
-    sampled_eos = bool(parent.completion_ids) and parent.completion_ids[-1] in renderer.eos_token_ids
-    delimiter = head[end_of_turn + len(renderer.eos_token) :] if sampled_eos else head[end_of_turn:]
+    # a sample that ended with the template's own end-of-turn token gets only what follows it; one that ended
+    # otherwise (max_tokens, a stop string, another stop token such as <|endoftext|>) gets the whole end of turn
+    ended_turn = bool(parent.completion_ids) and parent.completion_ids[-1] == renderer.end_of_turn_id
+    delimiter = head[end_of_turn + len(renderer.eos_token) :] if ended_turn else head[end_of_turn:]
     tail_ids = renderer.encode(delimiter + full[len(head) :])
     return Bridged(prompt_ids=parent.prompt_ids + parent.completion_ids + tail_ids, parent=parent, tail_ids=tail_ids)
 

@@ -29,7 +29,7 @@ _CLAUDE_CODE_BILLING_HEADER = "x-anthropic-billing-header"
 class Renderer:
     """Chat request (engine chat-completions form) -> prompt text and token ids, for one model."""
 
-    def __init__(self, tokenizer: Any, source: str, vision: bool = False):
+    def __init__(self, tokenizer: Any, source: str, vision: bool = False, stop_token_ids: Sequence[int] = ()):
         template = getattr(tokenizer, "chat_template", None)
         if isinstance(template, dict):  # named templates: the default one
             template = template.get("default")
@@ -41,8 +41,11 @@ class Renderer:
         self.vision = vision
         self.parts_format = "openai" if _ITERATES_CONTENT.search(template) else "string"
         self.template_variables = _template_variables(template)
+        # the template's end of an assistant turn (<|im_end|>), and every token the engine stops on (the generation
+        # config's eos ids too, e.g. <|endoftext|>, which a sample may end with instead)
         self.eos_token: str = tokenizer.eos_token or ""
-        self.eos_token_ids: set[int] = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+        self.end_of_turn_id: int | None = tokenizer.eos_token_id
+        self.stop_token_ids: set[int] = {*stop_token_ids, *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])}
         self._fast = getattr(tokenizer, "_tokenizer", None)  # the Rust tokenizer: encode without Python per-token work
 
     @classmethod
@@ -56,7 +59,7 @@ class Renderer:
             tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
         except (OSError, ValueError) as error:
             raise RenderError(500, "tokenizer_unavailable", f"cannot load the tokenizer of {model!r} locally: {error}") from error
-        return cls(tokenizer, model, vision=_has_vision(model))
+        return cls(tokenizer, model, vision=_has_vision(model), stop_token_ids=_generation_eos_ids(model))
 
     # -- rendering
     def conversation(self, messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -143,7 +146,7 @@ class Renderer:
     def sampled_text(self, ids: Sequence[int]) -> str:
         """The text of sampled ids, without the end-of-turn token that stopped them."""
         ids = list(ids)
-        while ids and ids[-1] in self.eos_token_ids:
+        while ids and ids[-1] in self.stop_token_ids:
             ids.pop()
         return self.decode(ids)
 
@@ -191,6 +194,14 @@ def _tool_as_vllm_dumps_it(tool: dict[str, Any]) -> dict[str, Any]:
     if tool.get("defer_loading") is not None:
         out["defer_loading"] = tool["defer_loading"]
     return out
+
+
+def _generation_eos_ids(model: str) -> list[int]:
+    try:
+        eos = json.loads((Path(model) / "generation_config.json").read_text()).get("eos_token_id")
+    except (OSError, ValueError):
+        return []
+    return [eos] if isinstance(eos, int) else [token for token in eos or [] if isinstance(token, int)]
 
 
 def _has_vision(model: str) -> bool:
