@@ -20,6 +20,7 @@ import pytest
 from google import genai
 from google.genai import types
 
+from polar_mitm import diff_cli
 from polar_mitm.assembler import assemble
 from polar_mitm.store import JSON_COLUMNS
 from tests import harness_steering, tokens_steering
@@ -194,6 +195,12 @@ def test_a_compacted_history_is_a_new_lineage_with_its_reason(make_gateway, sess
     assert [(r["bridged"], r["bridge_reason"]) for r in rows] == [(False, "first_turn"), (True, None), (True, None), (False, "compaction")]
     sequences = assemble(gateway.db, builder="prefix_merging", session=session_id).sequences
     assert [s.exchange_ids for s in sequences] == [[r["exchange_id"] for r in rows[:3]], [rows[3]["exchange_id"]]]
+    # `polar-mitm diff` shows which turns were bridged, and why the last was not
+    lines = [diff_cli.summary_line(diff) for diff in diff_cli.overview(gateway.db, session_id)]
+    assert [line.split("  ")[1].split(" ")[0] for line in lines] == ["extends", "extends", "BREAK"], lines
+    assert lines[0].endswith("; bridged") and lines[1].endswith("; bridged") and lines[2].endswith("; not bridged (compaction)"), lines
+    detail = diff_cli.format_diff(diff_cli.diff_turns(gateway.db, session_id, 1))
+    assert "render: tokens · seq 2 bridged" in detail and "= [2] assistant: turn's reply" in detail and "+ [3] tool" in detail, detail
 
 
 @pytest.mark.engine

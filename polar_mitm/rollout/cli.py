@@ -59,6 +59,7 @@ def _node_arguments(parser: argparse.ArgumentParser, upstream_required: bool = T
     parser.add_argument("--engine", choices=["vllm", "sglang"], default="vllm")
     parser.add_argument("--engine-model", help="engine's served model name (default: discovered)")
     parser.add_argument("--engine-hook", default="", metavar="MODULE:FUNC", help="function applied to each engine request (see `polar-mitm gateway`)")
+    parser.add_argument("--render", choices=["chat", "tokens"], default="chat", help="chat: the engine renders prompts (default); tokens: the node's gateway renders them and bridges turns (see `polar-mitm gateway`)")
     for stage, default in (("prepare", 2), ("run", 2), ("build", 1), ("evaluate", 2)):
         parser.add_argument(f"--{stage}-limit", type=int, default=default, help=f"sessions in the {stage} stage at once (default {default})")
     parser.add_argument("-v", "--verbose", action="store_true", help="the gateway's own log on the terminal")
@@ -70,7 +71,7 @@ def _node_config(args: argparse.Namespace):
 
     return NodeConfig(
         upstream=args.upstream, db=args.db, confdir=args.confdir, gateway_port=args.gateway_port, engine=args.engine,
-        engine_model=args.engine_model, engine_hook=args.engine_hook, output_dir=args.output, verbose=args.verbose,
+        engine_model=args.engine_model, engine_hook=args.engine_hook, render=args.render, output_dir=args.output, verbose=args.verbose,
         limits=StageLimits(prepare=args.prepare_limit, run=args.run_limit, build=args.build_limit, evaluate=args.evaluate_limit),
     )
 

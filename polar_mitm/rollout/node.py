@@ -47,6 +47,7 @@ class NodeConfig(BaseModel):
     engine: str = "vllm"
     engine_model: str | None = None
     engine_hook: str = ""
+    render: str = Field("chat", pattern="^(chat|tokens)$", description="Who renders prompts: chat (the engine) or tokens (the node's gateway, turns bridged).")
     output_dir: Path | None = Field(None, description="Harness logs and Parquet files (default: <db>.rollouts/ beside the store).")
     limits: StageLimits = Field(default_factory=StageLimits)
     verbose: bool = False
@@ -126,7 +127,7 @@ class GatewayNode:
         self.gateway = InProcessGateway(
             GatewayConfig(
                 port=self.port, upstream=config.upstream, db=config.db, confdir=str(self.confdir), engine=config.engine,
-                engine_model=config.engine_model, engine_hook=config.engine_hook, require_auth=True, verbose=config.verbose,
+                engine_model=config.engine_model, engine_hook=config.engine_hook, render=config.render, require_auth=True, verbose=config.verbose,
             )
         )
         self.stages: Stages | None = None
