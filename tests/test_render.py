@@ -67,6 +67,7 @@ def test_first_turn_rendering_equals_the_engines(path: Path, renderer: Renderer,
     ours = renderer.prompt_ids(chat)
     assert ours == engine_ids(engine_url, served, chat, "render")
     assert ours == engine_ids(engine_url, served, chat, "tokenize")
+    assert ours == renderer._encode(renderer.prompt_text(chat)) == renderer.prompt_ids(chat)  # turn by turn, cached, = the whole text at once
     text = renderer.decode(ours)
     for tool in chat.get("tools") or []:  # tool schemas survive
         assert json.dumps(tool["function"]["name"]) in text

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+from array import array
+from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,6 +27,9 @@ from polar_mitm.errors import RenderError
 # a template that loops over a message's content expects OpenAI-style content parts (vLLM's "openai" format)
 _ITERATES_CONTENT = re.compile(r"for\s+\w+\s+in\s+[\w.\[\]'\"]*content\b")
 _CLAUDE_CODE_BILLING_HEADER = "x-anthropic-billing-header"
+# turns at least this long are cached by their text (system prompts, tool schemas), at most this many
+CACHED_SEGMENT_CHARS = 4096
+CACHED_SEGMENTS = 64
 
 
 class Renderer:
@@ -47,6 +53,8 @@ class Renderer:
         self.end_of_turn_id: int | None = tokenizer.eos_token_id
         self.stop_token_ids: set[int] = {*stop_token_ids, *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])}
         self._fast = getattr(tokenizer, "_tokenizer", None)  # the Rust tokenizer: encode without Python per-token work
+        self._segments: OrderedDict[str, array] = OrderedDict()
+        self._cache_lock = threading.Lock()  # renders run in worker threads
 
     @classmethod
     def load(cls, model: str) -> "Renderer":
@@ -123,12 +131,49 @@ class Renderer:
             raise RenderError(400, "invalid_request_error", f"the model's chat template could not render this conversation: {type(error).__name__}: {error}") from error
 
     def encode(self, text: str) -> list[int]:
+        """Token ids of rendered text, one turn at a time.
+
+        The tokenizer splits text at special tokens before anything else, so the ids of the text cut after each
+        end-of-turn token, concatenated, are the ids of the whole. Long turns (a harness's system prompt and tool
+        schemas: ~10k tokens, ~0.1 s to tokenize here) repeat across the sessions of a run and are cached.
+        """
+        if not self.eos_token or self.eos_token not in text:
+            return self._encode(text)
+        ids: list[int] = []
+        pieces = text.split(self.eos_token)
+        for index, piece in enumerate(pieces):
+            segment = piece + self.eos_token if index < len(pieces) - 1 else piece
+            if len(segment) < CACHED_SEGMENT_CHARS:
+                ids += self._encode(segment)
+                continue
+            with self._cache_lock:
+                cached = self._segments.get(segment)
+                if cached is not None:
+                    self._segments.move_to_end(segment)
+            if cached is None:
+                cached = array("i", self._encode(segment))
+                with self._cache_lock:
+                    self._segments[segment] = cached
+                    while len(self._segments) > CACHED_SEGMENTS:
+                        self._segments.popitem(last=False)
+            ids += cached.tolist()
+        return ids
+
+    def _encode(self, text: str) -> list[int]:
+        if not text:
+            return []
         if self._fast is not None:
             return self._fast.encode(text, add_special_tokens=False).ids
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def token_texts(self, ids: Sequence[int]) -> list[str]:
+        """Each token's text on its own (logprobs' `token` field), in one tokenizer call."""
+        if self._fast is not None:
+            return self._fast.decode_batch([[token] for token in ids], skip_special_tokens=False)
+        return [self.decode([token]) for token in ids]
 
     def prompt_text(self, chat: dict[str, Any]) -> str:
         return self.render_text(self.conversation(chat["messages"]), self.tools(chat), self.template_kwargs(chat), add_generation_prompt=True)

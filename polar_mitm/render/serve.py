@@ -87,7 +87,7 @@ class TokenPath:
             prompt_token_ids=_engine_echo(raw, prompt_ids),
             completion_token_ids=sampled.completion_ids,
             completion_logprobs=sampled.logprobs,
-            logprobs_content=[{"token": renderer.decode([token]), "logprob": lp, "bytes": None, "top_logprobs": []} for token, lp in zip(sampled.completion_ids, sampled.logprobs)],
+            logprobs_content=[{"token": text, "logprob": lp, "bytes": None, "top_logprobs": []} for text, lp in zip(renderer.token_texts(sampled.completion_ids), sampled.logprobs)],
             prompt_tokens=len(prompt_ids),
             completion_tokens=len(sampled.completion_ids),
             stop_sequence=sampled.stop_sequence,
