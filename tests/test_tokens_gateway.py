@@ -26,7 +26,7 @@ from polar_mitm.store import JSON_COLUMNS
 from tests import harness_steering, tokens_steering
 from tests.gatewayproc import Gateway, free_port, proxy_env
 
-HOOKS = {name: f"{Path(module.__file__).resolve()}:{name}" for module, name in ((harness_steering, "steer"), (tokens_steering, "think"), (tokens_steering, "broken_call"))}
+HOOKS = {name: f"{Path(module.__file__).resolve()}:{name}" for module, name in ((harness_steering, "steer"), (tokens_steering, "think"), (tokens_steering, "broken_call"), (tokens_steering, "coder_xml"))}
 TOOL_OUTPUT = "written"
 FOLLOW_UP = "Thanks. Is the file there?"
 SHELL_SCHEMA = {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}
@@ -181,6 +181,17 @@ def test_qwen3_think_stripping_is_bridged_and_breaks_chat_mode(make_gateway, ses
 
     chat_session(chat, session_id)
     assert sequence_count(chat, session_id) == 3
+
+
+@pytest.mark.engine
+def test_qwen3_coder_xml_tool_calls(make_gateway, session_id: str) -> None:
+    gateway = make_gateway("--render", "tokens", "--tool-parser", "qwen3_coder", "--engine-hook", HOOKS["coder_xml"])
+    chat_session(gateway, session_id)
+    rows = rows_of(gateway, session_id)
+    assert [(r["finish_reason"], r["bridged"], r["output_parse_error"]) for r in rows] == [("tool_calls", False, None), ("stop", True, None), ("stop", True, None)]
+    [call] = rows[0]["response_body"]["choices"][0]["message"]["tool_calls"]
+    assert (call["function"]["name"], json.loads(call["function"]["arguments"])) == ("run_shell_command", {"command": harness_steering.proof_command()})
+    assert_one_sequence_per_session(gateway, session_id, rows)
 
 
 @pytest.mark.engine
