@@ -270,3 +270,22 @@ def test_answer_message_matches_what_harnesses_send_back(renderer: Renderer) -> 
     ours = bridge.message_key(renderer.conversation([bridge.answer_message(None, [call])])[0])
     theirs = renderer.conversation([{"role": "assistant", "content": [], "tool_calls": [{"id": "other-id", "type": "function", "function": {"name": "run_shell_command", "arguments": '{"timeout":5,"command":"ls"}'}}]}])[0]
     assert bridge.message_key(theirs) == ours
+
+
+# -- the token-in request
+def test_token_in_requests_carry_the_sampling_of_the_hooked_chat_request() -> None:
+    from polar_mitm.engines import make_engine
+    from polar_mitm.errors import EngineError
+    from polar_mitm.render import token_engine
+
+    chat = {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "tool_choice": "auto", "temperature": 0, "max_tokens": 5000, "structured_outputs": {"regex": "a+"}, "seed": 7, "min_tokens": 1}
+    assert token_engine.max_new_tokens(chat, 1000, 4096) == 3096  # the harness's limit cut to the room left
+    assert token_engine.max_new_tokens({}, 1000, 4096) == 3096
+    with pytest.raises(EngineError):
+        token_engine.max_new_tokens(chat, 4096, 4096)
+    vllm = token_engine.build_request(make_engine("vllm", "http://127.0.0.1:9/v1"), chat, "m", [1, 2, 3], 100)
+    assert vllm == {"temperature": 0, "seed": 7, "min_tokens": 1, "structured_outputs": {"regex": "a+"}, "model": "m", "prompt": [1, 2, 3], "max_tokens": 100, "logprobs": 0, "return_token_ids": True, "stream": False}
+    sglang = token_engine.build_request(make_engine("sglang", "http://127.0.0.1:9/v1"), chat, "m", [1, 2, 3], 100)
+    assert sglang == {"input_ids": [1, 2, 3], "sampling_params": {"temperature": 0, "sampling_seed": 7, "min_new_tokens": 1, "regex": "a+", "max_new_tokens": 100, "skip_special_tokens": False}, "return_logprob": True}
+    schema = token_engine.build_request(make_engine("vllm", "http://127.0.0.1:9/v1"), {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}}, "m", [1], 8)
+    assert schema["structured_outputs"] == {"json": {"type": "object"}}

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -69,8 +70,13 @@ class Lineages:
     def __init__(self, max_sessions: int = 2048, max_turns: int = 256):
         self.sessions: OrderedDict[str, OrderedDict[str, Turn]] = OrderedDict()
         self.max_sessions, self.max_turns = max_sessions, max_turns
+        self._lock = threading.Lock()  # prompts are built in worker threads while the event loop remembers turns
 
     def remember(self, session_id: str, turn: Turn) -> None:
+        with self._lock:
+            self._remember(session_id, turn)
+
+    def _remember(self, session_id: str, turn: Turn) -> None:
         turns = self.sessions.setdefault(session_id, OrderedDict())
         self.sessions.move_to_end(session_id)
         turns[turn.prefix_key] = turn  # a retried exchange replaces its first attempt
@@ -80,21 +86,25 @@ class Lineages:
         while len(self.sessions) > self.max_sessions:
             self.sessions.popitem(last=False)
 
-    def find(self, session_id: str, conversation: list[dict[str, Any]], setup_key: str) -> tuple[Turn | None, int, str | None]:
+    def find(self, session_id: str, conversation: list[dict[str, Any]], setup: str) -> tuple[Turn | None, int, str | None]:
         """(the turn this conversation extends, how many messages it covers, None) or (None, 0, reason)."""
         keys = [message_key(message) for message in conversation]
+        with self._lock:
+            return self._find(session_id, conversation, keys, setup)
+
+    def _find(self, session_id: str, conversation: list[dict[str, Any]], keys: list[str], setup: str) -> tuple[Turn | None, int, str | None]:
         turns = self.sessions.get(session_id) or {}
         # deepest first: the longest earlier history that this one extends, leaving at least one new message
         for end in range(len(keys) - 1, 0, -1):
             if conversation[end - 1]["role"] != "assistant":
                 continue
-            turn = turns.get(_digest(setup_key, keys[:end]))
+            turn = turns.get(_digest(setup, keys[:end]))
             if turn is not None:
                 return turn, end, None
-        return None, 0, self._why_not(turns.values(), conversation, keys, setup_key)
+        return None, 0, self._why_not(turns.values(), conversation, keys, setup)
 
     @staticmethod
-    def _why_not(turns: Any, conversation: list[dict[str, Any]], keys: list[str], setup_key: str) -> str:
+    def _why_not(turns: Any, conversation: list[dict[str, Any]], keys: list[str], setup: str) -> str:
         if not any(message["role"] == "assistant" for message in conversation):
             return FIRST_TURN
         best: Turn | None = None
@@ -105,7 +115,7 @@ class Lineages:
                 best, best_common = turn, common
         if best is None:
             return NO_LINEAGE
-        if best_common == len(best.keys) and best.setup_key != setup_key:
+        if best_common == len(best.keys) and best.setup_key != setup:
             return TOOLS_CHANGED
         if len(keys) < len(best.keys):
             return COMPACTION

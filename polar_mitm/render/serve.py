@@ -36,26 +36,41 @@ class TokenPath:
         self.tool_format = tool_format
         self.lineages = bridge.Lineages()
         self._renderer: Renderer | None = None
+        self._load_error: RenderError | None = None
         self._loading: asyncio.Lock | None = None
+        self.max_model_len: int | None = None  # the engine's context length, from its /models
 
     async def renderer(self) -> Renderer:
+        """The renderer, loaded on first use (a failure is kept and raised again: every request gets the same error)."""
         if self._renderer is None:
             if self._loading is None:
                 self._loading = asyncio.Lock()
             async with self._loading:
-                if self._renderer is None:
-                    source = self.model or await self._engine_model_dir()
-                    self._renderer = await asyncio.to_thread(Renderer.load, source)
+                if self._renderer is None and self._load_error is None:
+                    try:
+                        source = self.model or await self._engine_model_dir()
+                        self._renderer = await asyncio.to_thread(Renderer.load, source)
+                    except RenderError as error:
+                        self._load_error = error
+        if self._load_error is not None:
+            raise self._load_error
+        assert self._renderer is not None
         return self._renderer
 
     async def _engine_model_dir(self) -> str:
         """vLLM's /models names the directory it loaded (`root`); usable when the engine runs on this machine."""
-        reply = await self.engine._send("GET", "/models")
-        for model in reply.get("data") or []:
+        for model in await self._models():
             root = model.get("root")
             if isinstance(root, str) and Path(root).is_dir():
                 return root
         raise RenderError(500, "tokenizer_unavailable", "tokens mode: the engine's model directory is not on this machine; set the render model (--render-model PATH_OR_ID)")
+
+    async def _models(self) -> list[dict[str, Any]]:
+        reply = await self.engine._send("GET", "/models")
+        models = [model for model in reply.get("data") or [] if isinstance(model, dict)]
+        if self.max_model_len is None:
+            self.max_model_len = next((int(m["max_model_len"]) for m in models if m.get("max_model_len")), None)
+        return models
 
     async def complete(self, parsed: ParsedRequest, chat: dict[str, Any], model: str, row: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], Completion]:
         """The exchange's engine call in tokens mode; fills the row's render columns as it goes."""
@@ -66,9 +81,9 @@ class TokenPath:
         prompt = await asyncio.to_thread(self._prompt, renderer, session_id, chat) if big else self._prompt(renderer, session_id, chat)
         prompt_ids, conversation, setup, bridged, reason = prompt
         row.update(bridged=bridged is not None, bridge_reason=reason)
-        if self.engine.max_model_len is None:
-            await self.engine.discover()
-        max_tokens = token_engine.max_new_tokens(chat, len(prompt_ids), self.engine.max_model_len)
+        if self.max_model_len is None:
+            await self._models()
+        max_tokens = token_engine.max_new_tokens(chat, len(prompt_ids), self.max_model_len)
         request = token_engine.build_request(self.engine, chat, model, prompt_ids, max_tokens)
         row.update(engine_request=request, engine_started_at=now())
         sent, raw, sampled = await token_engine.call(self.engine, request)
