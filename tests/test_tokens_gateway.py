@@ -227,18 +227,28 @@ def test_a_tool_call_that_does_not_parse_is_returned_as_text_and_flagged(make_ga
 
 
 @pytest.mark.engine
-def test_a_model_without_a_chat_template_gets_a_provider_shaped_error(make_gateway, session_id: str, engine_url: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "template, error, status, message",
+    [
+        (None, openai.InternalServerError, 500, "has no chat template"),
+        ("{{ raise_exception('this template needs a system message') }}", openai.BadRequestError, 400, "this template needs a system message"),
+    ],
+    ids=["no_chat_template", "template_raises"],
+)
+def test_a_prompt_that_cannot_be_rendered_gets_a_provider_shaped_error(make_gateway, session_id: str, engine_url: str, tmp_path: Path, template, error, status: int, message: str) -> None:
     import urllib.request
 
     with urllib.request.urlopen(engine_url + "/models", timeout=30) as reply:
         root = Path(json.load(reply)["data"][0]["root"])
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(root / name, tmp_path / name)
+    if template is not None:
+        (tmp_path / "chat_template.jinja").write_text(template)
     gateway = make_gateway("--render", "tokens", "--render-model", str(tmp_path))
     with proxy_env(gateway, session_id):
         client = openai.OpenAI(api_key="sk-tokens", max_retries=0)
-    with pytest.raises(openai.InternalServerError) as caught:
+    with pytest.raises(error) as caught:
         client.chat.completions.create(model="qwen3-coder-plus", messages=[{"role": "user", "content": "hi"}], max_tokens=8)
-    assert "has no chat template" in caught.value.body["message"]
+    assert message in caught.value.body["message"]
     [row] = rows_of(gateway, session_id)
-    assert (row["status"], row["http_status"]) == ("render_error", 500) and "has no chat template" in row["error"]
+    assert (row["status"], row["http_status"], row["render_mode"]) == ("render_error", status, "tokens") and message in row["error"]
