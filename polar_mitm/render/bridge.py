@@ -185,7 +185,7 @@ def _text(content: Any) -> str:
 
 def _common_prefix(a: list[str], b: list[str]) -> int:
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         if x != y:
             break
         n += 1

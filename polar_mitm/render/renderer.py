@@ -57,7 +57,7 @@ class Renderer:
         self._cache_lock = threading.Lock()  # renders run in worker threads
 
     @classmethod
-    def load(cls, model: str) -> "Renderer":
+    def load(cls, model: str) -> Renderer:
         """From a model directory or a Hugging Face id available locally (never downloads)."""
         try:
             from transformers import AutoTokenizer
@@ -180,7 +180,7 @@ class Renderer:
 
     @staticmethod
     def tools(chat: dict[str, Any]) -> list[dict[str, Any]] | None:
-        """The tools as vLLM's request model dumps them: its fields in its order, description/parameters always there."""
+        """The tools as vLLM's request model dumps them: its fields, in its order, description and parameters always."""
         tools = chat.get("tools")
         return [_tool_as_vllm_dumps_it(tool) for tool in tools] if tools else None
 

@@ -102,7 +102,7 @@ class TokenPath:
             prompt_token_ids=_engine_echo(raw, prompt_ids),
             completion_token_ids=sampled.completion_ids,
             completion_logprobs=sampled.logprobs,
-            logprobs_content=[{"token": text, "logprob": lp, "bytes": None, "top_logprobs": []} for text, lp in zip(renderer.token_texts(sampled.completion_ids), sampled.logprobs)],
+            logprobs_content=[{"token": text, "logprob": lp, "bytes": None, "top_logprobs": []} for text, lp in zip(renderer.token_texts(sampled.completion_ids), sampled.logprobs, strict=True)],
             prompt_tokens=len(prompt_ids),
             completion_tokens=len(sampled.completion_ids),
             stop_sequence=sampled.stop_sequence,
@@ -112,7 +112,7 @@ class TokenPath:
         return sent, raw, completion
 
     def _prompt(self, renderer: Renderer, session_id: str, chat: dict[str, Any]) -> tuple[list[int], list[dict[str, Any]], str, bridge.Bridged | None, str | None]:
-        """(prompt ids, the conversation as the template sees it, its setup key, the bridge or None, why not bridged)."""
+        """(prompt ids, the conversation as the template sees it, its setup key, the bridge or None, why not)."""
         conversation = renderer.conversation(chat["messages"])
         setup = bridge.setup_key(renderer, chat)
         parent, covered, reason = self.lineages.find(session_id, conversation, setup)
