@@ -32,7 +32,8 @@ from polar_mitm import store  # noqa: E402
 from polar_mitm.local_engine import build  # noqa: E402
 from polar_mitm.render import bridge  # noqa: E402
 from polar_mitm.render.renderer import Renderer  # noqa: E402
-from tests.support.gatewayproc import Gateway, free_port  # noqa: E402
+from polar_mitm.util import free_port  # noqa: E402
+from tests.support.gatewayproc import Gateway  # noqa: E402
 
 REQUESTS = sorted((REPO / "bench" / "requests").glob("qwen-*.json"))
 TOOL_RESULT = "total 12\n-rw-r--r-- 1 user user 1204 README.md\n-rw-r--r-- 1 user user 733 parser.py\n" * 4

@@ -4,9 +4,8 @@ The gateway hands over the parsed request and the engine's chat request after it
 the request as sent, the raw reply and a `Completion` the dialects render like any other. The row gets
 `render_mode`, `bridged`, `bridge_reason` and, when the sample's tool calls did not parse, `output_parse_error`.
 
-Rendering and tokenizing run in a worker thread when the prompt is long (a 30k-token first turn takes tens of
-milliseconds of CPU; the Rust tokenizer releases the GIL), inline otherwise (a bridged turn tokenizes only its
-new messages).
+Rendering and tokenizing run in a worker thread unless the request is tiny (a cold 12k-token first turn took
+50-160 ms of CPU here, a bridged turn 2-9 ms; the Rust tokenizer releases the GIL while it encodes).
 """
 
 from __future__ import annotations
@@ -23,8 +22,9 @@ from polar_mitm.render.renderer import Renderer
 from polar_mitm.store import now
 
 RENDER_MODES = ("chat", "tokens")
-# request bodies above this many characters are rendered off the event loop
-INLINE_RENDER_CHARS = 16_000
+# request bodies above this many characters are rendered off the event loop (a cold 5k-token render took ~20-70 ms
+# here, bench/tokens_bench.py); below it the thread hop would cost more than the render
+INLINE_RENDER_CHARS = 4_000
 
 
 class TokenPath:

@@ -20,11 +20,12 @@ import pytest
 from google import genai
 from google.genai import types
 
-from polar_mitm import diff_cli
 from polar_mitm.assembler import assemble
+from polar_mitm.debug import diff as diff_cli
 from polar_mitm.store import JSON_COLUMNS
+from polar_mitm.util import free_port
 from tests.support import harness_steering, tokens_steering
-from tests.support.gatewayproc import Gateway, free_port, proxy_env
+from tests.support.gatewayproc import Gateway, proxy_env
 
 HOOKS = {name: f"{Path(module.__file__).resolve()}:{name}" for module, name in ((harness_steering, "steer"), (tokens_steering, "think"), (tokens_steering, "broken_call"), (tokens_steering, "coder_xml"))}
 TOOL_OUTPUT = "written"
@@ -79,7 +80,7 @@ def anthropic_session(gateway: Gateway, session_id: str) -> None:
     tools = [{"name": "Bash", "description": "Run a shell command.", "input_schema": SHELL_SCHEMA}]
     messages: list[dict[str, Any]] = [{"role": "user", "content": [{"type": "text", "text": INSTRUCTION}]}]
     for _ in range(3):
-        with client.messages.stream(model="claude-sonnet-4-5", max_tokens=1024, system=SYSTEM, tools=tools, messages=messages) as stream:
+        with client.messages.stream(model="claude-opus-4-8", max_tokens=1024, system=SYSTEM, tools=tools, messages=messages) as stream:
             message = stream.get_final_message()
         messages.append({"role": "assistant", "content": [block.model_dump(exclude_none=True) for block in message.content]})
         uses = [block for block in message.content if block.type == "tool_use"]
@@ -219,7 +220,7 @@ def test_a_tool_call_that_does_not_parse_is_returned_as_text_and_flagged(make_ga
     gateway = make_gateway("--render", "tokens", "--engine-hook", HOOKS["broken_call"])
     with proxy_env(gateway, session_id):
         client = anthropic.Anthropic(api_key="sk-ant-tokens", max_retries=0)
-    message = client.messages.create(model="claude-sonnet-4-5", max_tokens=256, system=SYSTEM, tools=[{"name": "Bash", "description": "Run.", "input_schema": SHELL_SCHEMA}], messages=[{"role": "user", "content": INSTRUCTION}])
+    message = client.messages.create(model="claude-opus-4-8", max_tokens=256, system=SYSTEM, tools=[{"name": "Bash", "description": "Run.", "input_schema": SHELL_SCHEMA}], messages=[{"role": "user", "content": INSTRUCTION}])
     assert [block.type for block in message.content] == ["text"] and message.content[0].text.startswith("<tool_call>")
     assert message.stop_reason == "end_turn"
     [row] = rows_of(gateway, session_id)
