@@ -60,7 +60,6 @@ class Turn:
 @dataclass
 class Bridged:
     prompt_ids: list[int]
-    parent: Turn
     tail_ids: list[int]
 
 
@@ -168,7 +167,7 @@ def bridge(renderer: Renderer, parent: Turn, conversation: list[dict[str, Any]],
     ended_turn = bool(parent.completion_ids) and parent.completion_ids[-1] == renderer.end_of_turn_id
     delimiter = head[end_of_turn + len(renderer.eos_token) :] if ended_turn else head[end_of_turn:]
     tail_ids = renderer.encode(delimiter + full[len(head) :])
-    return Bridged(prompt_ids=parent.prompt_ids + parent.completion_ids + tail_ids, parent=parent, tail_ids=tail_ids)
+    return Bridged(prompt_ids=parent.prompt_ids + parent.completion_ids + tail_ids, tail_ids=tail_ids)
 
 
 def _without_reasoning(message: dict[str, Any]) -> dict[str, Any]:

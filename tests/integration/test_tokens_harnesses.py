@@ -1,7 +1,8 @@
 """The four real harnesses, unmodified, in tokens mode and in chat mode, in the same run.
 
-The harness runs headless as in tests/test_harnesses.py (same install, same steering hook: a shell call forced
-by structured outputs, so not canonically tokenized, then a final text). In tokens mode every turn that
+The harness runs headless as in tests/integration/test_harnesses.py (same install and instruction), steered by
+tests/support/tokens_steering.py:two_calls: a shell call writing the proof file, a second reading it back, then
+a final text, each forced by structured outputs and so not canonically tokenized. In tokens mode every turn that
 extends an earlier one (an append-only turn) must be bridged, and every lineage must assemble into exactly
 one sequence with every sampled token once under mask 1. Chat mode's result on the same session is printed
 (`merge:` lines, the README's table).
@@ -10,14 +11,18 @@ one sequence with every sampled token once under mask 1. Chat mode's result on t
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from polar_mitm.assembler import assemble
 from polar_mitm.store import JSON_COLUMNS
 from tests.integration import test_harnesses
-from tests.integration.test_harnesses import HOOK, check_assembly, run_harness
+from tests.integration.test_harnesses import check_assembly, run_harness
 from tests.support import harness_steering as steering
+from tests.support import tokens_steering
+
+HOOK = f"{Path(tokens_steering.__file__).resolve()}:two_calls"
 
 installed = test_harnesses.installed  # the install fixture, shared
 
@@ -48,9 +53,9 @@ def check_tokens_mode(name: str, results: dict[str, tuple[list[dict], int]]) -> 
     chat_rows, chat_sequences = results["chat"]
     first_turns = [r for r in rows if r["bridge_reason"] == "first_turn"]
     append_only = [r for r in rows if r["bridge_reason"] != "first_turn"]
-    assert append_only and all(r["bridged"] for r in append_only), [(r["seq"], r["bridged"], r["bridge_reason"]) for r in rows]
+    assert len(append_only) >= 2 and all(r["bridged"] for r in append_only), [(r["seq"], r["bridged"], r["bridge_reason"]) for r in rows]
     assert sequences == len(first_turns)  # one sequence per lineage
-    assert any(r["finish_reason"] == "tool_calls" for r in rows)
+    assert [r["finish_reason"] for r in rows].count("tool_calls") == 2
     merged_chat = len(chat_rows) - chat_sequences
     print(f"\nmerge: {name} exchanges={len(rows)} lineages={len(first_turns)} append_only={len(append_only)} "
           f"tokens: bridged={sum(bool(r['bridged']) for r in append_only)} sequences={sequences} | "

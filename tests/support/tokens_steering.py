@@ -5,6 +5,8 @@ think: the shell call comes after a reasoning block, which the Qwen3-style templ
 a later user query follows: a chat-mode re-render no longer extends the sampled tokens.
 broken_call: the tool call's JSON is cut short, so it does not parse.
 coder_xml: the shell call in Qwen3-Coder's XML format (`--tool-parser qwen3_coder`), then the final text.
+two_calls: the harness steering's shell call, then a second one reading the file back, then the final text: a
+lineage of three model turns, two of them extending the one before.
 """
 
 from __future__ import annotations
@@ -35,4 +37,15 @@ def coder_xml(request: dict[str, Any], context: dict[str, Any]) -> dict[str, Any
         argument = SHELL_TOOLS[shell]
         call = f"<tool_call>\n<function={shell}>\n<parameter={argument}>\n{harness_steering.proof_command()}\n</parameter>\n</function>\n</tool_call>"
         return force(request, call, max_tokens=256)
+    return harness_steering.steer(request, context)
+
+
+CHECK_COMMAND = f"cat {harness_steering.PROOF_FILE}"
+
+
+def two_calls(request: dict[str, Any], context: dict[str, Any]) -> dict[str, Any]:
+    shell = shell_tool(request)
+    results = sum(message.get("role") == "tool" for message in request.get("messages") or [])
+    if shell and results == 1:
+        return force(request, shell_call(shell, CHECK_COMMAND), max_tokens=256)
     return harness_steering.steer(request, context)
