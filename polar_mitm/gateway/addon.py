@@ -101,9 +101,14 @@ class PolarAddon:
         try:
             model = await self.engine.discover()
             log.info(f"polar: engine {self.engine.base_url} serves {model!r}")
+            if self.tokens is not None:
+                renderer = await self.tokens.renderer()  # now rather than in the first exchange (seconds)
+                log.info(f"polar: tokens mode renders with the chat template of {renderer.source}")
         except EngineError as error:
             # not fatal: the engine may come up later; each call retries discovery
             log.warning(f"polar: {error.message}")
+        except RenderError as error:  # kept: every model call is answered with it
+            log.warning(f"polar: tokens mode: {error.message}")
 
     def _announce(self) -> None:
         """Leave the proxy URL in the confdir, so `polar-mitm run` finds this gateway without flags."""

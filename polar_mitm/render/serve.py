@@ -11,6 +11,7 @@ Rendering and tokenizing run in a worker thread unless the request is tiny (a co
 from __future__ import annotations
 
 import asyncio
+import gc
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,10 @@ class TokenPath:
                     try:
                         source = self.model or await self._engine_model_dir()
                         self._renderer = await asyncio.to_thread(Renderer.load, source)
+                        # the tokenizer is millions of objects that live as long as the gateway: out of the
+                        # collector's view (as the addon does at start), or the next full collection walks them
+                        # all and stalls the event loop for seconds (measured: 3-10 s on this machine)
+                        gc.freeze()
                     except RenderError as error:
                         self._load_error = error
         if self._load_error is not None:
