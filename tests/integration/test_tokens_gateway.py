@@ -216,6 +216,22 @@ def test_a_compacted_history_is_a_new_lineage_with_its_reason(make_gateway, sess
 
 
 @pytest.mark.engine
+def test_an_edited_history_is_a_new_lineage_with_its_reason(make_gateway, session_id: str) -> None:
+    gateway = make_gateway("--render", "tokens", "--engine-hook", HOOKS["steer"])
+    with proxy_env(gateway, session_id):
+        client = openai.OpenAI(api_key="sk-tokens", max_retries=0)
+    tools = [{"type": "function", "function": {"name": "run_shell_command", "description": "Run a shell command.", "parameters": SHELL_SCHEMA}}]
+    history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": INSTRUCTION}]
+    reply = client.chat.completions.create(model="qwen3-coder-plus", messages=history, tools=tools, max_tokens=512).choices[0].message
+    result = [{"role": "tool", "tool_call_id": call.id, "content": TOOL_OUTPUT} for call in reply.tool_calls]
+    edited = [history[0], {"role": "user", "content": INSTRUCTION + " Quickly."}, reply.model_dump(exclude_none=True), *result]
+    client.chat.completions.create(model="qwen3-coder-plus", messages=edited, tools=tools, max_tokens=512)
+    rows = rows_of(gateway, session_id)
+    assert [(r["bridged"], r["bridge_reason"]) for r in rows] == [(False, "first_turn"), (False, "edited_history")]
+    assert sequence_count(gateway, session_id) == 2
+
+
+@pytest.mark.engine
 def test_a_tool_call_that_does_not_parse_is_returned_as_text_and_flagged(make_gateway, session_id: str) -> None:
     gateway = make_gateway("--render", "tokens", "--engine-hook", HOOKS["broken_call"])
     with proxy_env(gateway, session_id):
