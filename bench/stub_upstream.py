@@ -7,8 +7,11 @@ when it says `logprobs`, and streams one SSE event per token (written at once af
 `stream`. The prompt length is taken as a quarter of the request body's bytes, so a 56 KB harness request
 comes back with ~14k prompt token ids, as a real engine's would.
 
-Run: python bench/stub_upstream.py --port 18090 --delay-ms 25
+Run: python bench/stub_upstream.py --port 18090 --delay-ms 25 [--model-dir DIR]
 Endpoints: POST .../chat/completions, GET .../models, GET /stats (requests served, for the harness's sanity checks).
+With --model-dir (a model directory with tokenizer.json; bench/tokens_bench.py), also POST .../completions with
+`prompt` as token ids (token-in, as tokens mode calls vLLM): the prompt ids echoed, and as sampled ids the
+canonical tokens of the same reply text + <|im_end|>; /models names the directory as its `root`.
 """
 
 from __future__ import annotations
@@ -129,10 +132,27 @@ class Reply:
 
 
 class StubServer:
-    def __init__(self, delay: float) -> None:
+    def __init__(self, delay: float, model_dir: str | None = None) -> None:
         self.delay = delay
         self.reply = Reply()
         self.requests = 0
+        self.model_dir = model_dir
+        self.sampled_ids: list[int] = []
+        if model_dir:
+            from tokenizers import Tokenizer
+
+            tokenizer = Tokenizer.from_file(f"{model_dir}/tokenizer.json")
+            self.sampled_ids = tokenizer.encode(CONTENT + "\n" + TOOL_TEXT, add_special_tokens=False).ids + [tokenizer.token_to_id("<|im_end|>")]
+
+    def completion(self, request: dict) -> bytes:
+        """vLLM's /v1/completions reply to a token-in request with return_token_ids and logprobs=0."""
+        prompt = request["prompt"]
+        choice = {
+            "index": 0, "text": CONTENT + "\n" + TOOL_TEXT, "logprobs": {"token_logprobs": [-0.5] * len(self.sampled_ids)}, "finish_reason": "stop",
+            "stop_reason": None, "token_ids": self.sampled_ids, "prompt_logprobs": None, "prompt_token_ids": prompt,
+        }
+        usage = {"prompt_tokens": len(prompt), "total_tokens": len(prompt) + len(self.sampled_ids), "completion_tokens": len(self.sampled_ids)}
+        return json.dumps({"id": "cmpl-benchstub", "object": "text_completion", "created": self.reply.created, "model": MODEL, "choices": [choice], "usage": usage}, separators=(",", ":")).encode()
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -171,12 +191,16 @@ class StubServer:
 
     async def answer(self, method: str, path: str, body: bytes) -> tuple[str, str, bytes]:
         if method == "GET" and path.endswith("/models"):
-            models = {"object": "list", "data": [{"id": MODEL, "object": "model", "created": self.reply.created, "owned_by": "vllm", "root": MODEL, "max_model_len": MAX_PROMPT_TOKENS}]}
+            models = {"object": "list", "data": [{"id": MODEL, "object": "model", "created": self.reply.created, "owned_by": "vllm", "root": self.model_dir or MODEL, "max_model_len": MAX_PROMPT_TOKENS}]}
             return "200 OK", "application/json", json.dumps(models).encode()
         if method == "GET" and path == "/stats":
             return "200 OK", "application/json", json.dumps({"requests": self.requests, "delay_s": self.delay}).encode()
         if method == "GET" and path in ("/health", "/v1/health"):
             return "200 OK", "application/json", b"{}"
+        if method == "POST" and path.endswith("/completions") and not path.endswith("/chat/completions") and self.model_dir:
+            self.requests += 1
+            await asyncio.sleep(self.delay)
+            return "200 OK", "application/json", self.completion(json.loads(body))
         if method != "POST" or not path.endswith("/chat/completions"):
             return "404 Not Found", "application/json", b'{"error":{"message":"not found","type":"NotFoundError","code":404}}'
         try:
@@ -205,8 +229,8 @@ async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
         await reader.readexactly(2)
 
 
-async def serve(host: str, port: int, delay: float) -> None:
-    stub = StubServer(delay)
+async def serve(host: str, port: int, delay: float, model_dir: str | None = None) -> None:
+    stub = StubServer(delay, model_dir)
     server = await asyncio.start_server(stub.handle, host, port, limit=1 << 20, backlog=1024)
     print(f"stub upstream (a stand-in engine: fixed reply after {delay * 1000:g} ms) on http://{host}:{port}/v1", flush=True)
     async with server:
@@ -218,9 +242,10 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=18090)
     parser.add_argument("--delay-ms", type=float, default=25.0, help="the fixed 'engine' time per completion")
+    parser.add_argument("--model-dir", help="serve token-in /completions too, with this model's tokenizer")
     args = parser.parse_args()
     try:
-        asyncio.run(serve(args.host, args.port, args.delay_ms / 1000))
+        asyncio.run(serve(args.host, args.port, args.delay_ms / 1000, args.model_dir))
     except KeyboardInterrupt:
         pass
 

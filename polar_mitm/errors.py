@@ -6,6 +6,7 @@ built-in (`RuntimeError`, `ValueError`) still do, so callers written against tho
     PolarError
     ├── ConfigError            a bad option or flag value, found before anything is opened
     ├── DialectError           a request the gateway refuses, rendered in the called provider's shape
+    │   └── RenderError        tokens mode cannot render this prompt (no chat template, template failure, image)
     ├── EngineError            the inference engine failed an exchange; `status_class` goes on the row
     ├── CallAbandoned          an engine call cancelled because nobody waits for it (client gone, gateway stopping)
     ├── LocalEngineError       starting/stopping the bundled local engine (EngineBuildError: building it)
@@ -118,3 +119,7 @@ class EvaluatorError(RolloutError, RuntimeError):
 
 class DockerUnavailable(RolloutError, RuntimeError):
     pass
+
+
+class RenderError(DialectError):
+    """Tokens mode could not render a prompt or load the model's chat template; answered in the provider's shape."""

@@ -17,8 +17,10 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import parse_qsl
 
 from polar_mitm import store
 from polar_mitm.store.schema import MATERIAL
@@ -39,6 +41,9 @@ class Turn:
     prompt: list[int]
     completion: list[int]
     finish_reason: str | None
+    render_mode: str | None = None  # tokens: the gateway rendered the prompt; bridged says whether it continued a turn
+    bridged: bool | None = None
+    bridge_reason: str | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -82,11 +87,44 @@ def load_turns(db: str | os.PathLike[str], session_id: str) -> list[Turn]:
     _, rows = store.query(
         db,
         "SELECT exchange_id, seq, api, harness, model_engine, engine_request -> '$.messages' AS messages, "
-        "engine_response -> '$.choices[0].message' AS reply, prompt_token_ids, completion_token_ids, finish_reason "
+        "engine_response -> '$.choices[0].message' AS reply, prompt_token_ids, completion_token_ids, finish_reason, "
+        "render_mode, bridged, bridge_reason, method, path, request_body, response_body "
         f"FROM exchanges WHERE session_id = ? AND {MATERIAL} ORDER BY seq",
         [session_id],
     )
-    return [Turn(r[0], r[1], r[2], r[3], r[4], _json(r[5]) or [], _json(r[6]) or {}, r[7] or [], r[8] or [], r[9]) for r in rows]
+    turns = []
+    for r in rows:
+        messages, reply = _json(r[5]) or [], _json(r[6]) or {}
+        if r[10] == "tokens":  # the engine got token ids: the messages are the dialect's reading of the request
+            messages, reply = _tokens_mode_messages(r[13], r[14], r[15], r[7] or [], r[8] or [], r[4])
+        turns.append(Turn(r[0], r[1], r[2], r[3], r[4], messages, reply, r[7] or [], r[8] or [], r[9], r[10], r[11], r[12]))
+    return turns
+
+
+def _tokens_mode_messages(method: str, path: str, body: str, prompt: list[int], completion: list[int], model: str | None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """A tokens-mode row's chat messages (its request parsed again by its dialect, as the gateway did) and its
+    reply (the sampled text split as the gateway split it, Hermes tool calls)."""
+    from polar_mitm import dialects
+    from polar_mitm.assembler.diagnosis import load_tokenizer
+    from polar_mitm.render.parsers import parse_output
+
+    route, _, query = path.partition("?")
+    dialect = dialects.dialect_for(method, route)
+    try:
+        messages = dialect.parse((body or "").encode(), route, dict(parse_qsl(query))).chat["messages"] if dialect else []
+    except Exception:  # noqa: BLE001 - a row whose request no longer parses still diffs on tokens
+        messages = []
+    tokenizer = load_tokenizer(None, model)
+    if tokenizer is None:
+        return messages, {}
+    text = re.sub(r"(<\|[a-z_]+\|>)+$", "", tokenizer.text(completion))  # the stop token that ended the sample
+    out = parse_output(text, "hermes")
+    reply: dict[str, Any] = {"content": out.content}
+    if out.reasoning:
+        reply["reasoning_content"] = out.reasoning
+    if out.tool_calls:
+        reply["tool_calls"] = [{"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}} for call in out.tool_calls]
+    return messages, reply
 
 
 def _json(value: Any) -> Any:
@@ -269,12 +307,21 @@ def summary_line(diff: TurnDiff) -> str:
         tokens = f"extends (+{len(after.prompt) - len(before.tokens)} prompt tokens)"
     else:
         tokens = f"BREAK at token {diff.shared} of {len(before.tokens)} ({_differing_ids(diff)}): {diff.break_kind or 'no break class (' + (diff.assembler_note or 'not diagnosed') + ')'}"
-    return f"{head}  {tokens}; messages: {_message_counts(diff.messages)}"
+    return f"{head}  {tokens}; messages: {_message_counts(diff.messages)}{_bridge_note(after)}"
+
+
+def _bridge_note(turn: Turn) -> str:
+    if turn.render_mode != "tokens":
+        return ""
+    return "; bridged" if turn.bridged else f"; not bridged ({turn.bridge_reason or 'unknown'})"
 
 
 def format_diff(diff: TurnDiff) -> str:
     before, after = diff.before, diff.after
-    out = [f"session {diff.session_id} · seq {before.seq} → seq {after.seq} · {after.api} · harness {after.harness or '?'}", ""]
+    out = [f"session {diff.session_id} · seq {before.seq} → seq {after.seq} · {after.api} · harness {after.harness or '?'}"]
+    if after.render_mode == "tokens":
+        out.append(f"render: tokens · seq {after.seq} " + ("bridged: its prompt is seq's prompt + sampled ids + the new messages" if after.bridged else f"not bridged ({after.bridge_reason or 'unknown'}): a full render"))
+    out.append("")
     out.append(f"messages  (seq {before.seq} sent {len(before.messages)} + its reply; seq {after.seq} sent {len(after.messages)})")
     run: list[MessageOp] = []
 

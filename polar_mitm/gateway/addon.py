@@ -24,9 +24,10 @@ from polar_mitm import dialects, redact, routing, session
 from polar_mitm.dialects import CountsTokens, Dialect
 from polar_mitm.engines import ENGINES, make_engine
 from polar_mitm.engines.base import Engine
-from polar_mitm.errors import CallAbandoned, ConfigError
+from polar_mitm.errors import CallAbandoned, ConfigError, RenderError
 from polar_mitm.exchange import DialectError, EngineError, ParsedRequest
 from polar_mitm.gateway import options
+from polar_mitm.render.serve import RENDER_MODES, TokenPath
 from polar_mitm.store import ExchangeRow, Store, now
 from polar_mitm.util import load_function
 
@@ -54,6 +55,7 @@ class PolarAddon:
         self.all_committed = asyncio.Event()  # set while open_exchanges is 0
         self.all_committed.set()
         self.started = asyncio.Event()  # the store is open: running() is through
+        self.tokens: TokenPath | None = None  # --render tokens
 
     def load(self, loader: Any) -> None:
         options.declare(loader)  # polar_<name> for each row of gateway/options.py
@@ -77,6 +79,14 @@ class PolarAddon:
                 ctx.options.polar_engine, upstream, ctx.options.polar_engine_model or None, ctx.options.polar_engine_timeout,
                 ctx.options.polar_split_reasoning, ctx.options.polar_engine_max_model_len or None,
             ) if upstream else None
+        if updated & {"polar_upstream", "polar_engine", "polar_engine_model", "polar_engine_timeout", "polar_split_reasoning", "polar_engine_max_model_len", "polar_render", "polar_render_model", "polar_tool_parser"}:
+            if ctx.options.polar_render not in RENDER_MODES:
+                raise exceptions.OptionsError(f"polar_render must be one of {', '.join(RENDER_MODES)}, got {ctx.options.polar_render!r}")
+            try:
+                tokens = ctx.options.polar_render == "tokens" and self.engine is not None
+                self.tokens = TokenPath(self.engine, ctx.options.polar_render_model or None, ctx.options.polar_tool_parser) if tokens else None
+            except ValueError as error:
+                raise exceptions.OptionsError(f"polar_tool_parser: {error}") from error
         if "polar_model_map" in updated:
             self.model_map = []
             for entry in ctx.options.polar_model_map:
@@ -116,6 +126,11 @@ class PolarAddon:
         else:
             try:
                 model = await self.engine.discover()
+                if self.tokens is not None:
+                    renderer = await self.tokens.renderer()  # now rather than in the first exchange (seconds)
+                    log.info(f"polar: tokens mode renders with the chat template of {renderer.source}")
+            except RenderError as error:  # kept: every model call is answered with it
+                log.warning(f"polar: tokens mode: {error.message}")
             except EngineError as error:
                 if error.status_class == "engine_url_wrong":
                     # the engine is there but this is not its API root: every call would fail the same way
@@ -264,6 +279,9 @@ class PolarAddon:
             row.update(status=error.status_class, error=error.message)
             http_status = 499 if error.status_class == "client_disconnected" else 503
             status_code, content_type, body, body_json = self._error(dialect, DialectError(http_status, error.status_class, error.message))
+        except RenderError as error:
+            row.update(status="render_error", error=error.message)
+            status_code, content_type, body, body_json = self._error(dialect, error)
         except DialectError as error:
             row.update(status="bad_request" if error.status < 500 else "internal_error", error=error.message)
             status_code, content_type, body, body_json = self._error(dialect, error)
@@ -332,10 +350,13 @@ class PolarAddon:
         if self.engine_hook is not None:
             context = {key: row.get(key) for key in ("session_id", "seq", "api", "model_requested", "harness", "path")}
             engine_request = self.engine_hook(engine_request, context) or engine_request
-        row["engine_request"] = engine_request
         row["engine_started_at"] = now()
         try:
-            sent, raw, completion = await self.engine.complete(engine_request, parsed.notes)
+            if self.tokens is not None:
+                sent, raw, completion = await self.tokens.complete(parsed, engine_request, engine_model, row, parsed.notes)
+            else:
+                row.update(engine_request=engine_request, render_mode="chat")
+                sent, raw, completion = await self.engine.complete(engine_request, parsed.notes)
         finally:
             row["engine_ended_at"] = now()
         row.update(

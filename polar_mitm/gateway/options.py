@@ -106,6 +106,24 @@ OPTIONS: tuple[Option, ...] = (
         "function applied to each engine request (sampling params, structured outputs)", metavar="MODULE:FUNC",
     ),
     Option(
+        "render", str, "chat",
+        "Who renders the prompt: chat (the engine applies its chat template to the messages) or tokens (the gateway renders it "
+        "with the model's template, bridges the turns of a lineage token-exactly and calls the engine with token ids).",
+        "chat: the engine renders prompts (default); tokens: the gateway renders them, bridges turns, calls the engine token-in",
+        choices=("chat", "tokens"),
+    ),
+    Option(
+        "render_model", str, "",
+        "Tokens mode: the model directory or local Hugging Face id whose tokenizer and chat template render prompts; empty: the "
+        "engine's own model directory (vLLM's /models root).",
+        "tokens mode: model directory or local Hugging Face id for tokenizer + chat template (default: the engine's)",
+        metavar="DIR_OR_ID",
+    ),
+    Option(
+        "tool_parser", str, "hermes", "Tokens mode: the model's tool-call format in sampled text: hermes, qwen3_coder or none.",
+        "tokens mode: the tool-call format the model samples (default hermes)", choices=("hermes", "qwen3_coder", "none"),
+    ),
+    Option(
         "sql_port", int, 0, "Loopback port of the read-only SQL endpoint for other processes (0: any free port).",
         "loopback port for read-only SQL from other processes (default: any)",
     ),

@@ -60,6 +60,12 @@ EXCHANGE_COLUMNS: dict[str, str] = {
     "engine_started_at": "TIMESTAMPTZ",
     "engine_ended_at": "TIMESTAMPTZ",
     "ended_at": "TIMESTAMPTZ",
+    # who rendered the prompt (chat: the engine; tokens: the gateway), and in tokens mode whether it continues an
+    # earlier exchange's exact tokens (bridged) or why not; output_parse_error: sampled tool calls that did not parse
+    "render_mode": "VARCHAR",
+    "bridged": "BOOLEAN",
+    "bridge_reason": "VARCHAR",
+    "output_parse_error": "VARCHAR",
 }
 
 
@@ -108,6 +114,10 @@ class ExchangeRow(TypedDict, total=False):
     engine_started_at: datetime | None
     engine_ended_at: datetime | None
     ended_at: datetime | None
+    render_mode: str | None
+    bridged: bool | None
+    bridge_reason: str | None
+    output_parse_error: str | None
 
 
 SESSION_COLUMNS: dict[str, str] = {

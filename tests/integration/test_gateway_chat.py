@@ -250,13 +250,14 @@ def test_sql_cli_while_gateway_runs(gateway: Gateway, session_id: str) -> None:
     assert refused.returncode == 1 and "read-only" in refused.stderr
 
 
-def test_mitmdump_with_the_addon_script(tmp_path, engine_url: str, session_id: str) -> None:
+@pytest.mark.parametrize("render", ["chat", "tokens"])
+def test_mitmdump_with_the_addon_script(tmp_path, engine_url: str, session_id: str, render: str) -> None:
     port = free_port()
     db, confdir = tmp_path / "dump.duckdb", tmp_path / "conf"
     mitmdump = os.path.join(os.path.dirname(sys.executable), "mitmdump")
-    addon = os.path.join(os.path.dirname(__file__), "..", "addons", "polar.py")
+    addon = os.path.join(os.path.dirname(__file__), "..", "..", "addons", "polar.py")
     process = subprocess.Popen(
-        [mitmdump, "-q", "--listen-host", "127.0.0.1", "-p", str(port), "--set", f"confdir={confdir}", "-s", addon, "--set", f"polar_upstream={engine_url}", "--set", f"polar_db={db}"],
+        [mitmdump, "-q", "--listen-host", "127.0.0.1", "-p", str(port), "--set", f"confdir={confdir}", "-s", addon, "--set", f"polar_upstream={engine_url}", "--set", f"polar_db={db}", "--set", f"polar_render={render}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )
     try:
@@ -267,7 +268,7 @@ def test_mitmdump_with_the_addon_script(tmp_path, engine_url: str, session_id: s
         time.sleep(0.5)
         response = _post(gateway, session_id, {"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
         assert response.status_code == 200
-        assert [r["api"] for r in gateway.exchanges(session_id)] == ["openai_chat"]
+        assert [(r["api"], r["render_mode"]) for r in gateway.exchanges(session_id)] == [("openai_chat", render)]
     finally:
         os.killpg(process.pid, signal.SIGTERM)
         process.wait(timeout=30)
