@@ -306,34 +306,32 @@ def test_sdk_retry_does_not_fork(make_gateway, session_id: str, tokenizer) -> No
         chat.ask("Hi again", timeout=2.0)
         chat.user("Once more.")
         chat.ask("Hi")
-    # the slow attempt is committed when the engine finishes it; on a loaded machine the retry can time out too
-    # (it shares the engine with the slow attempt), so the SDK may have made a third attempt
+    # on a loaded machine the retry can time out too (it shares the engine with the slow attempt), so the SDK may
+    # have made a third attempt; every attempt it gave up on is in, as the client's hang-up
     deadline = time.monotonic() + 60
     while not _attempts_settled(rows := gw.exchanges(session_id)) and time.monotonic() < deadline:
         time.sleep(0.5)
     first, *attempts, last = rows
     assert [(r["seq"], r["status"], r["retry_count"]) for r in (first, last)] == [(1, "ok", 0), (len(rows), "ok", 0)]
-    assert len(attempts) >= 2 and [(r["status"], r["retry_count"]) for r in attempts] == [("ok", n) for n in range(len(attempts))]
+    abandoned, answered = attempts[:-1], attempts[-1]
+    # the engine call of an attempt the SDK gave up on is cancelled and recorded as such, never as ok
+    assert len(abandoned) >= 1 and [(r["status"], r["retry_count"]) for r in attempts] == [("client_disconnected", n) for n in range(len(abandoned))] + [("ok", len(abandoned))]
     assert len({r["request_body"] for r in attempts}) == 1
-    slow, answered = attempts[0], attempts[-1]
-    assert slow["completion_tokens"] >= 400 and slow["completion_token_ids"] != answered["completion_token_ids"]
 
     result = assemble(gw.db, "prefix_merging", session=session_id)
     assert_every_sample_once(result, rows)
-    chain, *retried = result.sequences
-    # the conversation went on from the reply the SDK got: one chain, each timed-out sample on its own
+    # the conversation went on from the reply the SDK got: one chain; what the client never saw is not trained on
+    [chain] = result.sequences
     assert chain.exchange_seqs == [1, answered["seq"], last["seq"]] and chain.break_diagnosis is None
-    assert [s.exchange_seqs for s in retried] == [[r["seq"]] for r in attempts[:-1]]
-    assert all(s.retry_of == answered["exchange_id"] for s in retried)
-    assert result.stats.retries == len(attempts) - 1 and sum(result.stats.breaks.values()) == 0
+    assert sum(result.stats.breaks.values()) == 0
 
 
 def _attempts_settled(rows: list[dict]) -> bool:
-    """Every attempt of the retried turn is in: retry counts 0..k for the k-th, answered, attempt."""
+    """Every attempt of the retried turn is in: retry counts 0..k, the k-th answered."""
     if len(rows) < 4:
         return False
     attempts = [r for r in rows if r["request_body"] == rows[1]["request_body"]]
-    return sorted(r["retry_count"] for r in attempts) == list(range(len(attempts))) and any((r["completion_tokens"] or 0) >= 400 for r in attempts)
+    return sorted(r["retry_count"] for r in attempts) == list(range(len(attempts))) and attempts[-1]["status"] == "ok"
 
 
 def _one_turn(gw: Gateway, session: str, tokenizer) -> None:
