@@ -17,6 +17,7 @@ COMMAND_MODULES = [
     "polar_mitm.demo",
     "polar_mitm.assembler.cli",
     "polar_mitm.rollout.cli",
+    "polar_mitm.control_cli",
 ]
 
 

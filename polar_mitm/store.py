@@ -84,6 +84,8 @@ EXCHANGE_COLUMNS: dict[str, str] = {
     "engine_started_at": "TIMESTAMPTZ",
     "engine_ended_at": "TIMESTAMPTZ",
     "ended_at": "TIMESTAMPTZ",
+    # the gateway's policy version when this row's engine call started (POST /control/resume sets it)
+    "policy_version": "INTEGER",
 }
 
 SESSION_COLUMNS: dict[str, str] = {

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fnmatch
 import gc
+import hmac
 import json
 import logging
 import os
@@ -25,6 +26,7 @@ from mitmproxy import ctx, exceptions, http
 from polar_mitm import dialects, redact, session
 from polar_mitm.engines import make_engine
 from polar_mitm.engines.base import Engine
+from polar_mitm.gateway.control import EngineCallAborted, PolicyControl
 from polar_mitm.exchange import DialectError, EngineError, ParsedRequest
 from polar_mitm.run_cli import GATEWAY_FILE
 from polar_mitm.store import Store, now
@@ -42,6 +44,8 @@ class PolarAddon:
         self.model_map: list[tuple[str, str | None]] = []
         self.announced: Path | None = None
         self.engine_hook: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any] | None] | None = None
+        self.control = PolicyControl(model_exists=self._engine_serves)
+        self.listen: tuple[str, int] | None = None
 
     def load(self, loader: Any) -> None:
         loader.add_option("polar_upstream", str, "", "The inference engine's OpenAI-compatible base URL, e.g. http://127.0.0.1:8011/v1.")
@@ -75,6 +79,13 @@ class PolarAddon:
             "A function 'module:name' or 'path/to/file.py:name' called as hook(engine_request, context) before each engine call; it may return a changed request (e.g. sampling params, structured outputs). The row records the request as sent.",
         )
         loader.add_option("polar_sql_port", int, 0, "Loopback port of the read-only SQL endpoint for other processes (0: any free port).")
+        loader.add_option("polar_policy_version", int, 0, "The policy version stamped on engine calls until POST /control/resume sets another.")
+        loader.add_option(
+            "polar_control_token",
+            str,
+            "",
+            "Bearer token required by /control/* on this gateway. Empty: control is served on a loopback listen address only.",
+        )
 
     def configure(self, updated: set[str]) -> None:
         if ctx.options.connection_strategy != "lazy":
@@ -103,6 +114,10 @@ class PolarAddon:
                 self.store.close()
             self.store = Store(ctx.options.polar_db)
             self.store.serve_sql(ctx.options.polar_sql_port)
+        if "polar_policy_version" in updated:
+            if ctx.options.polar_policy_version < 0:
+                raise exceptions.OptionsError("polar_policy_version must be >= 0")
+            self.control.policy_version = ctx.options.polar_policy_version
         if "confdir" in updated or not self.secret:
             self.secret = session.load_secret(ctx.options.confdir)
 
@@ -128,6 +143,7 @@ class PolarAddon:
         if not addresses:
             return
         host, port = addresses[0][:2]
+        self.listen = (host, port)
         host = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
         path = Path(ctx.options.confdir).expanduser() / GATEWAY_FILE
         path.write_text(json.dumps({"url": f"http://{host}:{port}", "pid": os.getpid(), "db": str(Path(ctx.options.polar_db).resolve())}))
@@ -151,7 +167,7 @@ class PolarAddon:
         self.sessions_by_connection[flow.client_conn] = credentials
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
-        if flow.response is not None:
+        if flow.response is not None or self._is_control(flow):
             return
         if flow.is_replay:
             # mitmproxy's replay (mitmweb's Replay, `replay.client`) re-runs this flow or a copy of it without a
@@ -173,12 +189,44 @@ class PolarAddon:
     async def request(self, flow: http.HTTPFlow) -> None:
         if flow.response is not None:
             return
+        if self._is_control(flow):
+            await self._answer_control(flow)
+            return
         path = flow.request.path.split("?", 1)[0]
         dialect = dialects.dialect_for(flow.request.method, path)
         if dialect is None:
             self._answer_non_model(flow)
             return
         await self._exchange(flow, dialect, path)
+
+    # -- the control API (pause/resume for weight updates; gateway/control.py)
+    def _is_control(self, flow: http.HTTPFlow) -> bool:
+        """A request sent to the gateway itself (not proxied, not in a tunnel) for /control/*."""
+        if not flow.request.path.startswith("/control/") or self.listen is None or flow.client_conn in self.sessions_by_connection:
+            return False
+        host, port = self.listen
+        return flow.request.port == port and (flow.request.host in (host, *LOOPBACK_HOSTS) or host in ANY_HOST)
+
+    async def _answer_control(self, flow: http.HTTPFlow) -> None:
+        token = ctx.options.polar_control_token
+        assert self.listen is not None
+        if token:
+            given = flow.request.headers.get("authorization", "")
+            allowed = hmac.compare_digest(given.encode(), f"Bearer {token}".encode())
+            status, body = (200, {}) if allowed else (401, {"error": {"type": "unauthorized", "message": "control needs 'Authorization: Bearer <polar_control_token>'"}})
+        elif self.listen[0] not in LOOPBACK_HOSTS:
+            status, body = 403, {"error": {"type": "forbidden", "message": "this gateway listens beyond loopback: set polar_control_token (--control-token) to use /control/*"}}
+        else:
+            status, body = 200, {}
+        if status == 200:
+            status, body = await self.control.handle(flow.request.method, flow.request.path.split("?", 1)[0], flow.request.get_content(strict=False) or b"")
+        flow.response = http.Response.make(status, json.dumps(body), {"content-type": "application/json"})
+        flow.metadata["polar_local"] = True
+
+    async def _engine_serves(self, model: str) -> bool:
+        if self.engine is None:
+            return False
+        return model in await self.engine.list_models()
 
     def _answer_non_model(self, flow: http.HTTPFlow) -> None:
         host = flow.request.pretty_host
@@ -263,12 +311,7 @@ class PolarAddon:
         if self.engine_hook is not None:
             context = {key: row.get(key) for key in ("session_id", "seq", "api", "model_requested", "harness", "path")}
             engine_request = self.engine_hook(engine_request, context) or engine_request
-        row["engine_request"] = engine_request
-        row["engine_started_at"] = now()
-        try:
-            sent, raw, completion = await self.engine.complete(engine_request)
-        finally:
-            row["engine_ended_at"] = now()
+        sent, raw, completion = await self._complete(engine_request, row)
         row.update(
             # WireJSON: the store records the texts that crossed the wire, not encoded again (100+ KB of token ids)
             engine_request=sent,
@@ -287,6 +330,28 @@ class PolarAddon:
             return 200, dialect.STREAM_CONTENT_TYPE, stream, body_json
         return 200, "application/json", json.dumps(body_json, ensure_ascii=False).encode(), body_json
 
+    async def _complete(self, engine_request: dict[str, Any], row: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], Any]:
+        """The engine call, held while the gateway is paused; an attempt aborted for a weight update is committed
+        as its own untrainable row (status 'aborted') and the call is issued again after resume."""
+        assert self.engine is not None and self.store is not None
+
+        async def call(version: int, engine_model: str | None) -> Any:
+            request = dict(engine_request, model=engine_model) if engine_model else engine_request
+            row.update(engine_request=request, policy_version=version, model_engine=request["model"], engine_started_at=now())
+            try:
+                return await self.engine.complete(request)
+            finally:
+                row["engine_ended_at"] = now()
+
+        while True:
+            try:
+                _, result = await self.control.run(call)
+                return result
+            except EngineCallAborted as aborted:
+                attempt = dict(row, exchange_id=str(uuid.uuid4()), status="aborted", ended_at=now(), error=f"{aborted}; issued again after resume as exchange {row['exchange_id']}")
+                await self.store.commit_exchange(attempt)
+                row["seq"] = self.store.next_seq(row["session_id"])
+
     async def _engine_model(self, requested: str) -> str:
         assert self.engine is not None
         if self.model_map:
@@ -300,6 +365,10 @@ class PolarAddon:
     def _error(dialect: Any, error: DialectError) -> tuple[int, str, bytes, Any]:
         body_json = dialect.error_body(error)
         return error.status, "application/json", json.dumps(body_json).encode(), body_json
+
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+ANY_HOST = ("", "0.0.0.0", "::")
 
 
 def _proxy_auth_required() -> http.Response:

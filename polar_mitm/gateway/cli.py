@@ -23,6 +23,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--passthrough", action="append", default=[], metavar="HOST_GLOB", help="forward non-model traffic to these hosts (repeatable)")
     parser.add_argument("--engine-hook", default="", metavar="MODULE:FUNC", help="function applied to each engine request (sampling params, structured outputs)")
     parser.add_argument("--sql-port", type=int, default=0, help="loopback port for read-only SQL from other processes (default: any)")
+    parser.add_argument("--policy-version", type=int, default=0, help="policy version stamped on engine calls until /control/resume sets another (default 0)")
+    parser.add_argument("--control-token", default="", help="bearer token for /control/* (needed when listening beyond loopback)")
     parser.add_argument("--web", action="store_true", help="serve mitmweb's UI too")
     parser.add_argument("--web-port", type=int, default=8081)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -36,6 +38,7 @@ def _gateway(args: argparse.Namespace) -> int:
         port=args.port, upstream=args.upstream, db=args.db, confdir=args.confdir, engine=args.engine,
         engine_model=args.engine_model, engine_timeout=args.engine_timeout, split_reasoning=args.split_reasoning, model_map=args.model_map,
         require_auth=args.require_auth, passthrough=args.passthrough, engine_hook=args.engine_hook, sql_port=args.sql_port,
+        policy_version=args.policy_version, control_token=args.control_token,
         web=args.web, web_port=args.web_port, verbose=args.verbose,
     )
     server.run(config)

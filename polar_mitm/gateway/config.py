@@ -24,6 +24,8 @@ class GatewayConfig(BaseModel):
     passthrough: list[str] = Field(default_factory=list)
     engine_hook: str = Field("", description="'module:function' or 'file.py:function' applied to each engine request.")
     sql_port: int = 0
+    policy_version: int = Field(0, ge=0, description="Policy version stamped on engine calls until POST /control/resume sets another.")
+    control_token: str = Field("", description="Bearer token for /control/*; needed when the gateway listens beyond loopback.")
     web: bool = False
     web_port: int = 8081
     verbose: bool = False

@@ -50,6 +50,8 @@ def make_master(config: GatewayConfig):
         "polar_passthrough": list(config.passthrough),
         "polar_sql_port": config.sql_port,
         "polar_engine_hook": config.engine_hook,
+        "polar_policy_version": config.policy_version,
+        "polar_control_token": config.control_token,
         # the body must reach our hook whole; never stream it past the addon
         "stream_large_bodies": None,
     }
