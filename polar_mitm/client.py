@@ -34,9 +34,10 @@ import httpx
 import numpy as np
 import pyarrow.parquet as pq
 
+from polar_mitm import session
 from polar_mitm.errors import ClientError, ControlError
 
-__all__ = ["GatewayControl", "RolloutClient", "TrajectoryBatch", "load_batch", "write_rewards_csv", "assemble"]
+__all__ = ["GatewayControl", "RolloutClient", "TrajectoryBatch", "load_batch", "logprob_mismatch", "session_proxy_url", "write_rewards_csv", "assemble"]
 
 
 def _raise_for(response: httpx.Response, what: str) -> dict[str, Any]:
@@ -274,3 +275,27 @@ def assemble(db: str | os.PathLike[str], out: str | os.PathLike[str], rewards_cs
     if done.returncode != 0:
         raise ClientError(f"{' '.join(argv)} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
     return Path(out)
+
+
+def logprob_mismatch(batch: TrajectoryBatch, recomputed: np.ndarray) -> dict[str, float]:
+    """Train/inference mismatch over the sampled tokens: the trainer's recomputed logprobs ([B, T], same layout as
+    `batch.rollout_logprobs`) against the engine's. Returns tokens, mean_abs and max_abs of the difference, and
+    kl: the k3 estimate of KL(rollout policy || trainer policy), mean(exp(d) - 1 - d) with d = trainer - rollout."""
+    mask = batch.loss_mask.astype(bool)
+    delta = (np.asarray(recomputed, dtype=np.float64) - batch.rollout_logprobs.astype(np.float64))[mask]
+    if delta.size == 0:
+        raise ClientError("no sampled tokens to compare")
+    return {
+        "tokens": int(delta.size),
+        "mean_abs": float(np.abs(delta).mean()),
+        "max_abs": float(np.abs(delta).max()),
+        "kl": float(np.mean(np.expm1(delta) - delta)),
+    }
+
+
+def session_proxy_url(gateway_url: str, session_id: str, confdir: str | os.PathLike[str] | None = None) -> str:
+    """The proxy URL that attributes calls to `session_id`: its token is the HMAC of the gateway confdir's
+    session secret (needed with --require-auth; without a confdir any token is accepted otherwise)."""
+    token = session.session_token(session.load_secret(confdir), session_id) if confdir is not None else "x"
+    scheme, _, rest = gateway_url.partition("://")
+    return f"{scheme}://{session_id}:{token}@{rest}"

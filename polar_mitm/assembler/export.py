@@ -70,9 +70,13 @@ SCHEMA = pa.schema(
         ("harness", pa.string()),
         ("model_requested", pa.string()),
         ("model_engine", pa.string()),
+        ("min_policy_version", pa.int32()),
+        ("max_policy_version", pa.int32()),
+        ("token_policy_versions", pa.list_(pa.int32())),
     ]
 )
 
+ADDED_COLUMNS = {"min_policy_version": "INTEGER", "max_policy_version": "INTEGER", "token_policy_versions": "INTEGER[]"}
 TOKEN_COLUMNS = ("input_ids", "loss_mask", "rollout_logprobs")
 _PLAIN = [name for name in SCHEMA.names if not name.startswith("break_") and name not in TOKEN_COLUMNS]
 
@@ -139,6 +143,8 @@ def _statements(parquet: Path) -> list[str]:
     source = "read_parquet('" + str(parquet.resolve()).replace("'", "''") + "')"
     return [
         f"CREATE TABLE IF NOT EXISTS {TABLE} AS SELECT * FROM {source} LIMIT 0",
+        # columns added since a store's table was created
+        *(f"ALTER TABLE {TABLE} ADD COLUMN IF NOT EXISTS {name} {kind}" for name, kind in ADDED_COLUMNS.items()),
         f"DELETE FROM {TABLE} WHERE (builder, session_id) IN (SELECT DISTINCT builder, session_id FROM {source})",
         f"INSERT INTO {TABLE} BY NAME SELECT * FROM {source}",
     ]
