@@ -48,6 +48,7 @@ TASKS = [
     ("coal", "black"),
 ]
 PROMPT = "What color is {thing}? Answer with one lowercase word and nothing else."
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROBE = [{"role": "user", "content": "Name a color."}]
 
 
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--prompts", type=int, default=3, help="GRPO groups per step")
     parser.add_argument("--samples", type=int, default=4, help="samples per group")
-    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=20)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--lora-rank", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
@@ -115,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     (out / "adapters").mkdir(parents=True, exist_ok=True)
     run = uuid.uuid4().hex[:6]
 
-    base = AutoModelForCausalLM.from_pretrained(args.model_dir, torch_dtype=torch.float32)
-    model = get_peft_model(base, LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    base = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, target_modules=LORA_TARGETS, lora_dropout=0.0))
     optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=args.lr)
     gateway = GatewayControl(args.gateway)
     engine = VLLMLoraEngine(args.engine)
@@ -157,9 +158,12 @@ def main(argv: list[str] | None = None) -> int:
         times["sync"] = time.monotonic() - mark
 
         values = np.array(list(rewards.values()))
+        by_group: dict[str, list[float]] = {}
+        for session_id, value in rewards.items():
+            by_group.setdefault(groups[session_id], []).append(value)
         row = {
             "step": step, "policy_version_sampled": version - 1, "samples": n, "reward_mean": float(values.mean()), "reward_std": float(values.std(ddof=1)),
-            "exact_rate": float((values == 2).mean()), "sampled_tokens": batch.sampled_tokens, "loss": float(loss.detach()), **stats,
+            "exact_rate": float((values == 2).mean()), "groups_with_signal": sum(len(set(v)) > 1 for v in by_group.values()), "sampled_tokens": batch.sampled_tokens, "loss": float(loss.detach()), **stats,
             "mismatch": mismatch, "seconds": {k: round(v, 2) for k, v in times.items()}, "sync_seconds": {k: round(v, 3) for k, v in report.seconds.items()},
         }
         metrics.append(row)

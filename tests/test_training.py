@@ -25,8 +25,8 @@ from tests.gatewayproc import Gateway
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR = build.model_dir(build.engine_home(), "smollm2")
 # measured (docs/training.md): bf16 engine vs fp32 recomputation of the same weights, SmolLM2 on CPU. The largest
-# per-token |Δ| seen over the runs here was ~0.2 (a low-probability token); the mean ~0.02.
-MEAN_TOLERANCE = 0.05
+# per-token |Δ| seen over the runs here was ~0.2 (a low-probability token); the mean 0.02-0.055 (over 28-130 tokens).
+MEAN_TOLERANCE = 0.1
 MAX_TOLERANCE = 0.5
 
 
@@ -106,7 +106,7 @@ def test_grpo_loop_closes_three_steps(lora_engine: str, trainer_python: str, mak
     command = [
         trainer_python, str(ROOT / "examples" / "grpo_loop.py"), "--gateway", gateway.proxy_url(), "--confdir", str(gateway.confdir), "--db", str(gateway.db),
         "--engine", lora_engine, "--model-dir", str(MODEL_DIR), "--out", str(out), "--polar-mitm", f"{sys.executable} -m polar_mitm.cli",
-        "--steps", "3", "--prompts", "2", "--samples", "2", "--max-tokens", "8",
+        "--steps", "3", "--prompts", "2", "--samples", "2", "--max-tokens", "14",
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=1500, env=env, cwd=tmp_path)
     print(done.stdout[-4000:])
@@ -122,4 +122,9 @@ def test_grpo_loop_closes_three_steps(lora_engine: str, trainer_python: str, mak
     assert [(r["policy_version"], r["model_engine"], r["n"]) for r in rows] == [(0, "smollm2", 4), (1, "policy-v1", 4), (2, "policy-v2", 4)], rows
     summary = json.loads((out / "summary.json").read_text())
     assert summary["final_version"] == 3 and (out / "grpo_loop.png").stat().st_size > 10_000
+    # the engine's weights moved exactly when some group had a reward spread (else every advantage, so the step, is 0)
+    if any(m["groups_with_signal"] for m in metrics):
+        assert summary["probe_max_abs_change"] > 0, summary
+    else:
+        assert summary["probe_max_abs_change"] == 0, summary
     VLLMLoraEngine(lora_engine).unload("policy-v3")
