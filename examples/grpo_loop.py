@@ -71,7 +71,7 @@ def rollout(args: argparse.Namespace, step: int, run: str) -> tuple[dict[str, fl
         http_client = httpx.Client(proxy=session_proxy_url(args.gateway, session_id, args.confdir), verify=ca, trust_env=False, timeout=600)
         client = openai.OpenAI(api_key="sk-grpo-loop", http_client=http_client, max_retries=0)
         reply = client.chat.completions.create(
-            model="smollm2", messages=[{"role": "user", "content": PROMPT.format(thing=thing)}], max_tokens=args.max_tokens, temperature=1.0
+            model="smollm2", messages=[{"role": "user", "content": PROMPT.format(thing=thing)}], max_tokens=args.max_tokens, temperature=args.temperature
         )
         http_client.close()
         return session_id, reward(reply.choices[0].message.content, colour)
@@ -105,8 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=3, help="GRPO groups per step")
     parser.add_argument("--samples", type=int, default=4, help="samples per group")
     parser.add_argument("--max-tokens", type=int, default=20)
+    parser.add_argument("--temperature", type=float, default=0.8, help="sampling temperature of the rollouts")
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--lora-rank", type=int, default=8)
+    parser.add_argument("--adapter-prefix", default="policy-v", help="adapters are served as PREFIX<version>")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (on a shared 2-core machine 1 is several times faster than 2)")
     args = parser.parse_args(argv)
@@ -153,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         mark = time.monotonic()
         adapter = out / "adapters" / f"v{version + 1}"
         model.save_pretrained(adapter)
-        report = sync_lora([gateway], engine, adapter, version + 1, previous=served if served.startswith("policy-v") else None)
+        report = sync_lora([gateway], engine, adapter, version + 1, name_prefix=args.adapter_prefix, previous=served if served.startswith(args.adapter_prefix) else None)
         version, served = report.policy_version, report.engine_model or served
         times["sync"] = time.monotonic() - mark
 

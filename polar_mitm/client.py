@@ -126,7 +126,7 @@ class RolloutClient:
             time.sleep(poll_seconds)
 
     def control(self, action: Literal["pause", "resume", "status"], **body: Any) -> dict[str, Any]:
-        """The same control call on every gateway node this server owns: {node_id: status}."""
+        """The same control call on every gateway node this server owns: {"nodes": {gateway_url: status}}."""
         method = "GET" if action == "status" else "POST"
         return self._json(method, f"/control/{action}", body if method == "POST" else None)
 

@@ -3,6 +3,8 @@ mitmproxy and the official openai SDK as the clients whose calls are held, abort
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -200,3 +202,37 @@ def test_control_token_and_cli(make_gateway) -> None:
     assert again.returncode == 1 and "already paused" in again.stderr
     resumed = cli("resume", "--policy-version", "3")
     assert resumed.returncode == 0 and '"policy_version": 3' in resumed.stdout and '"state": "serving"' in resumed.stdout
+
+
+def test_rollout_server_fans_control_out_to_its_gateway(engine_url: str, tmp_path) -> None:
+    from polar_mitm.client import RolloutClient
+    from tests.gatewayproc import free_port
+
+    port = free_port()
+    log = tmp_path / "server.log"
+    command = [sys.executable, "-m", "polar_mitm.cli", "rollout", "serve", "--port", str(port), "--upstream", engine_url, "--db", str(tmp_path / "store.duckdb"), "--confdir", str(tmp_path / "confdir")]
+    process = subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    rollouts = RolloutClient(f"http://127.0.0.1:{port}")
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", trust_env=False).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.3)
+        (node, status), = rollouts.control("status")["nodes"].items()
+        assert status["state"] == "serving" and status["policy_version"] == 0
+        assert rollouts.control("pause", mode="drain")["nodes"][node]["state"] == "paused"
+        with pytest.raises(ControlError) as caught:
+            rollouts.control("pause")
+        assert caught.value.status == 409 and "already paused" in caught.value.message
+        resumed = rollouts.control("resume", policy_version=4)["nodes"][node]
+        assert resumed["state"] == "serving" and resumed["policy_version"] == 4
+        assert GatewayControl(node).status()["policy_version"] == 4  # the node's own gateway says the same
+    finally:
+        rollouts.close()
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=60)

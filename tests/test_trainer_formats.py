@@ -13,10 +13,11 @@ from polar_mitm.trainer_formats import to_slime_samples, to_trl_rollout, to_verl
 def rows(debug_store) -> list[dict]:
     con = duckdb.connect(str(debug_store.db), read_only=True)
     try:
-        table = con.execute("SELECT * FROM trajectories WHERE builder = 'prefix_merging' ORDER BY sequence_id").arrow()
+        cursor = con.execute("SELECT * FROM trajectories WHERE builder = 'prefix_merging' ORDER BY sequence_id")
+        names = [d[0] for d in cursor.description]
+        out = [dict(zip(names, values)) for values in cursor.fetchall()]
     finally:
         con.close()
-    out = table.read_all().to_pylist() if hasattr(table, "read_all") else table.to_pylist()
     assert len(out) >= 8 and any(r["n_exchanges"] > 1 for r in out) and len({r["group_id"] for r in out}) >= 2
     return out
 

@@ -99,16 +99,22 @@ def test_recomputed_logprobs_match_the_stored_ones_and_a_shifted_mask_does_not(l
     assert shifted["mean_abs"] > 10 * MEAN_TOLERANCE and shifted["max_abs"] > MAX_TOLERANCE, shifted
 
 
-def test_grpo_loop_closes_three_steps(lora_engine: str, trainer_python: str, make_gateway, tmp_path: Path) -> None:
+def test_grpo_loop_closes_three_steps(lora_engine: str, trainer_python: str, make_gateway, session_id: str, tmp_path: Path) -> None:
     gateway = make_gateway(upstream=lora_engine)
+    prefix = f"loop-{session_id[-8:]}-v"  # the engine is shared: adapter names of this test's own
     out = tmp_path / "run"
     env = {**build.engine_python_env(), "PYTHONPATH": str(ROOT)}
     command = [
         trainer_python, str(ROOT / "examples" / "grpo_loop.py"), "--gateway", gateway.proxy_url(), "--confdir", str(gateway.confdir), "--db", str(gateway.db),
         "--engine", lora_engine, "--model-dir", str(MODEL_DIR), "--out", str(out), "--polar-mitm", f"{sys.executable} -m polar_mitm.cli",
-        "--steps", "3", "--prompts", "2", "--samples", "2", "--max-tokens", "14",
+        "--steps", "3", "--prompts", "2", "--samples", "2", "--max-tokens", "14", "--adapter-prefix", prefix,
     ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=1500, env=env, cwd=tmp_path)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=1500, env=env, cwd=tmp_path)
+    finally:
+        engine = VLLMLoraEngine(lora_engine)
+        for name in [n for n in engine.served() if n.startswith(prefix)]:
+            engine.unload(name)
     print(done.stdout[-4000:])
     assert done.returncode == 0, done.stderr[-4000:]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -117,9 +123,9 @@ def test_grpo_loop_closes_three_steps(lora_engine: str, trainer_python: str, mak
         assert m["samples"] == 4 and m["sampled_tokens"] > 0 and 0 <= m["reward_mean"] <= 2
         assert m["mismatch"]["tokens"] == m["sampled_tokens"] and m["mismatch"]["mean_abs"] < MEAN_TOLERANCE, m
     status = GatewayControl(gateway.proxy_url()).status()
-    assert status["policy_version"] == 3 and status["engine_model"] == "policy-v3" and status["state"] == "serving", status
+    assert status["policy_version"] == 3 and status["engine_model"] == prefix + "3" and status["state"] == "serving", status
     rows = gateway.rows("SELECT policy_version, model_engine, count(*) AS n FROM exchanges WHERE status = 'ok' GROUP BY ALL ORDER BY policy_version")
-    assert [(r["policy_version"], r["model_engine"], r["n"]) for r in rows] == [(0, "smollm2", 4), (1, "policy-v1", 4), (2, "policy-v2", 4)], rows
+    assert [(r["policy_version"], r["model_engine"], r["n"]) for r in rows] == [(0, "smollm2", 4), (1, prefix + "1", 4), (2, prefix + "2", 4)], rows
     summary = json.loads((out / "summary.json").read_text())
     assert summary["final_version"] == 3 and (out / "grpo_loop.png").stat().st_size > 10_000
     # the engine's weights moved exactly when some group had a reward spread (else every advantage, so the step, is 0)
@@ -127,4 +133,3 @@ def test_grpo_loop_closes_three_steps(lora_engine: str, trainer_python: str, mak
         assert summary["probe_max_abs_change"] > 0, summary
     else:
         assert summary["probe_max_abs_change"] == 0, summary
-    VLLMLoraEngine(lora_engine).unload("policy-v3")
