@@ -35,7 +35,14 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from polar_mitm.client import GatewayControl, assemble, load_batch, logprob_mismatch, session_proxy_url, write_rewards_csv
+from polar_mitm.client import (
+    GatewayControl,
+    assemble,
+    load_batch,
+    logprob_mismatch,
+    session_proxy_url,
+    write_rewards_csv,
+)
 from polar_mitm.grpo import grpo_loss, token_logprobs
 from polar_mitm.weight_sync import VLLMLoraEngine, sync_lora
 
@@ -58,7 +65,7 @@ def reward(text: str, colour: str) -> float:
 
 
 def rollout(args: argparse.Namespace, step: int, run: str) -> tuple[dict[str, float], dict[str, str], int]:
-    """prompts x samples sessions through the gateway (the official openai SDK behind the proxy); rewards per session."""
+    """prompts x samples sessions through the gateway (the openai SDK behind the proxy); rewards per session."""
     ca = str(Path(args.confdir) / "mitmproxy-ca-cert.pem")
     jobs = []
     for k in range(args.prompts):

@@ -69,7 +69,7 @@ class GatewayControl:
         self.timeout = timeout
 
     def status(self) -> dict[str, Any]:
-        """{state, paused, in_flight, waiting, policy_version, engine_model, pause_mode, paused_seconds, aborted_total}"""
+        """The control status: state, paused, in_flight, waiting, policy_version, engine_model, pause_mode, etc."""
         return self._call("GET", "/control/status")
 
     def pause(self, mode: Literal["drain", "abort"] = "drain", timeout_seconds: float = 300.0) -> dict[str, Any]:
@@ -245,7 +245,7 @@ def _token_versions(row: Mapping[str, Any], length: int, by_exchange: Mapping[st
     mask = np.asarray(row["loss_mask"], dtype=np.int8)
     starts = np.flatnonzero(np.diff(np.concatenate([[0], mask])) == 1)
     ends = np.flatnonzero(np.diff(np.concatenate([mask, [0]])) == -1) + 1
-    for exchange_id, start, end in zip(row["exchange_ids"], starts, ends):
+    for exchange_id, start, end in zip(row["exchange_ids"], starts, ends, strict=False):
         version = by_exchange.get(exchange_id)
         if version is not None:
             out[start:end] = version
