@@ -206,7 +206,7 @@ def test_control_token_and_cli(make_gateway) -> None:
 
 def test_rollout_server_fans_control_out_to_its_gateway(engine_url: str, tmp_path) -> None:
     from polar_mitm.client import RolloutClient
-    from tests.support.gatewayproc import free_port
+    from polar_mitm.util import free_port
 
     port = free_port()
     log = tmp_path / "server.log"

@@ -22,10 +22,10 @@ from tests.support.gatewayproc import Gateway
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = build.model_dir(build.engine_home(), "smollm2")
-# measured (docs/training.md): bf16 engine vs fp32 recomputation of the same weights, SmolLM2 on CPU. The largest
-# per-token |Δ| seen over the runs here was ~0.2 (a low-probability token); the mean 0.02-0.055 (over 28-130 tokens).
+# measured (docs/training.md): bf16 engine vs fp32 recomputation of the same weights, SmolLM2 on CPU. Per step or
+# run the mean |Δ| was 0.02-0.064 (over 22-207 tokens); the largest single-token |Δ| 0.63 (a low-probability token).
 MEAN_TOLERANCE = 0.1
-MAX_TOLERANCE = 0.5
+MAX_TOLERANCE = 1.0
 
 
 def trainer(python: str, *args: str, timeout: float = 900) -> dict:
@@ -94,7 +94,7 @@ def test_recomputed_logprobs_match_the_stored_ones_and_a_shifted_mask_does_not(l
     assert aligned["mean_abs"] < MEAN_TOLERANCE and aligned["max_abs"] < MAX_TOLERANCE, aligned
     shifted = trainer(trainer_python, "recompute", str(parquet), "--model-dir", str(MODEL_DIR), "--shift", "1")
     print("shifted:", shifted)
-    assert shifted["mean_abs"] > 10 * MEAN_TOLERANCE and shifted["max_abs"] > MAX_TOLERANCE, shifted
+    assert shifted["mean_abs"] > 10 * MEAN_TOLERANCE and shifted["max_abs"] > 5 * MAX_TOLERANCE, shifted
 
 
 def test_grpo_loop_closes_three_steps(lora_engine: str, trainer_python: str, make_gateway, session_id: str, tmp_path: Path) -> None:
