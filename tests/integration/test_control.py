@@ -29,8 +29,11 @@ def sdk(gateway: Gateway, session_id: str) -> openai.OpenAI:
     return openai.OpenAI(api_key="sk-test", http_client=http_client, max_retries=0)
 
 
-def ask(client: openai.OpenAI, text: str, max_tokens: int = LONG) -> str:
-    reply = client.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": text}], max_tokens=max_tokens, temperature=1.0)
+def ask(client: openai.OpenAI, conversation: str | list[dict], max_tokens: int = LONG) -> str:
+    """One turn; a conversation (list) gets the reply appended, as a chat client keeps its history."""
+    messages = [{"role": "user", "content": conversation}] if isinstance(conversation, str) else conversation
+    reply = client.chat.completions.create(model="gpt-4o-mini", messages=messages, max_tokens=max_tokens, temperature=1.0)
+    messages.append({"role": "assistant", "content": reply.choices[0].message.content or ""})
     return reply.choices[0].finish_reason
 
 
@@ -44,9 +47,10 @@ class Sessions:
 
     def _run(self, gateway: Gateway, session_id: str, turns: int, max_tokens: int) -> None:
         try:
-            client = sdk(gateway, session_id)
+            client, history = sdk(gateway, session_id), []
             for turn in range(turns):
-                self.finish[session_id].append(ask(client, f"turn {turn}: count to one hundred", max_tokens))
+                history.append({"role": "user", "content": f"turn {turn}: count to one hundred"})
+                self.finish[session_id].append(ask(client, history, max_tokens))
         except BaseException as error:  # noqa: BLE001 - reported by join()
             self.errors.append(error)
 
@@ -109,6 +113,16 @@ def test_drain_with_four_sessions_mid_turn(control_gateway, session_id: str) -> 
         first, second = [r for r in rows if r["session_id"] == sid]
         assert first["policy_version"] == 0 and ts(first["engine_ended_at"]) <= paused_at, first
         assert second["policy_version"] == 1 and ts(second["engine_started_at"]) >= resume_called, second
+    # trajectories: staleness against the current version, and sequences that span the two versions
+    fresh = assemble(gateway.db, builder="per_request", max_staleness=0, current_version=1)
+    assert fresh.stats.stale_sequences == 4 and sorted(s.min_policy_version for s in fresh.sequences) == [1, 1, 1, 1]
+    spanning = [s for s in assemble(gateway.db, builder="prefix_merging").sequences if s.n_exchanges == 2]
+    assert spanning, "no second turn extended its first (the chain broke in every session)"
+    for sequence in spanning:
+        assert (sequence.min_policy_version, sequence.max_policy_version) == (0, 1)
+        versions, mask = sequence.token_policy_versions, sequence.loss_mask
+        sampled = [v for v, m in zip(versions, mask, strict=True) if m]
+        assert sampled == sorted(sampled) and set(sampled) == {0, 1} and all(v == -1 for v, m in zip(versions, mask, strict=True) if not m)
 
 
 def test_abort_reissues_the_call_and_records_the_attempt_as_untrainable(control_gateway, session_id: str) -> None:
