@@ -25,7 +25,7 @@ from polar_mitm.dialects import CountsTokens, Dialect
 from polar_mitm.engines import ENGINES, make_engine
 from polar_mitm.engines.base import Engine
 from polar_mitm.errors import ConfigError
-from polar_mitm.exchange import DialectError, EngineError, ParsedRequest
+from polar_mitm.exchange import DialectError, EngineError, Notes, ParsedRequest
 from polar_mitm.gateway import options
 from polar_mitm.gateway.control import EngineCallAborted, PolicyControl
 from polar_mitm.routing import GATEWAY_FILE
@@ -55,7 +55,8 @@ class PolarAddon:
         if ctx.options.connection_strategy != "lazy":
             # eager would resolve provider hostnames on CONNECT, before any hook; offline that is a 502
             ctx.options.connection_strategy = "lazy"
-        if "polar_upstream" in updated or "polar_engine" in updated or "polar_engine_model" in updated or "polar_engine_timeout" in updated or "polar_split_reasoning" in updated:
+        engine_options = ("polar_upstream", "polar_engine", "polar_engine_model", "polar_engine_timeout", "polar_split_reasoning", "polar_engine_max_model_len")
+        if updated.intersection(engine_options):
             upstream = ctx.options.polar_upstream
             if upstream and not upstream.startswith(("http://", "https://")):
                 raise exceptions.OptionsError(f"polar_upstream must be an http(s) URL, got {upstream!r}")
@@ -63,7 +64,12 @@ class PolarAddon:
                 raise exceptions.OptionsError(f"polar_engine must be one of {', '.join(ENGINES.names())}, got {ctx.options.polar_engine!r}")
             if ctx.options.polar_engine_timeout <= 0:
                 raise exceptions.OptionsError("polar_engine_timeout must be positive")
-            self.engine = make_engine(ctx.options.polar_engine, upstream, ctx.options.polar_engine_model or None, ctx.options.polar_engine_timeout, ctx.options.polar_split_reasoning) if upstream else None
+            if ctx.options.polar_engine_max_model_len < 0:
+                raise exceptions.OptionsError("polar_engine_max_model_len must be 0 (from /models) or positive")
+            self.engine = make_engine(
+                ctx.options.polar_engine, upstream, ctx.options.polar_engine_model or None, ctx.options.polar_engine_timeout,
+                ctx.options.polar_split_reasoning, ctx.options.polar_engine_max_model_len or None,
+            ) if upstream else None
         if "polar_model_map" in updated:
             self.model_map = []
             for entry in ctx.options.polar_model_map:
@@ -240,7 +246,7 @@ class PolarAddon:
             status_code, content_type, body, body_json = self._error(dialect, error)
         except EngineError as error:
             row.update(status=error.status_class, error=error.message, engine_response=error.engine_body)
-            status_code, content_type, body, body_json = self._error(dialect, DialectError(error.http_status, error.status_class, error.message))
+            status_code, content_type, body, body_json = self._error(dialect, error.for_client())
         except Exception as error:  # noqa: BLE001 - a bug must still answer in the provider's shape, and be recorded
             log.exception("polar: internal error")
             row.update(status="internal_error", error=f"{type(error).__name__}: {error}")
@@ -279,7 +285,7 @@ class PolarAddon:
         if self.engine_hook is not None:
             context = {key: row.get(key) for key in ("session_id", "seq", "api", "model_requested", "harness", "path")}
             engine_request = self.engine_hook(engine_request, context) or engine_request
-        sent, raw, completion = await self._complete(engine_request, row)
+        sent, raw, completion = await self._complete(engine_request, row, parsed.notes)
         row.update(
             # WireJSON: the store records the texts that crossed the wire, not encoded again (100+ KB of token ids)
             engine_request=sent,
@@ -298,7 +304,7 @@ class PolarAddon:
             return 200, dialect.STREAM_CONTENT_TYPE, stream, body_json
         return 200, "application/json", json.dumps(body_json, ensure_ascii=False).encode(), body_json
 
-    async def _complete(self, engine_request: dict[str, Any], row: ExchangeRow) -> tuple[dict[str, Any], dict[str, Any], Any]:
+    async def _complete(self, engine_request: dict[str, Any], row: ExchangeRow, notes: Notes) -> tuple[dict[str, Any], dict[str, Any], Any]:
         """The engine call, held while the gateway is paused; an attempt aborted for a weight update is committed
         as its own untrainable row (status 'aborted') and the call is issued again after resume."""
         assert self.engine is not None and self.store is not None
@@ -307,7 +313,7 @@ class PolarAddon:
             request = dict(engine_request, model=engine_model) if engine_model else engine_request
             row.update(engine_request=request, policy_version=version, model_engine=request["model"], engine_started_at=now())
             try:
-                return await self.engine.complete(request)
+                return await self.engine.complete(request, notes)
             finally:
                 row["engine_ended_at"] = now()
 
