@@ -144,7 +144,7 @@ def test_abort_reissues_the_call_and_records_the_attempt_as_untrainable(control_
 
 def test_drain_timeout_answers_504_and_keeps_serving(control_gateway, session_id: str) -> None:
     gateway, control = control_gateway
-    sessions = Sessions(gateway, [session_id], turns=1, max_tokens=2 * LONG).start()
+    sessions = Sessions(gateway, [session_id], turns=1).start()
     wait_for(control, lambda s: s["in_flight"] == 1)
     with pytest.raises(ControlError) as caught:
         control.pause(mode="drain", timeout_seconds=0.3)
