@@ -13,7 +13,8 @@ built-in (`RuntimeError`, `ValueError`) still do, so callers written against tho
     ├── HarnessNotInstalled    a harness binary is missing
     ├── RunError               `polar-mitm run` cannot reach or trust its gateway
     ├── ClientError            a CLI client cannot reach or use its server
-    └── RolloutError           the rollout server: RequestRejected, TaskConflict, EvaluatorError, DockerUnavailable
+    ├── RolloutError           the rollout server: RequestRejected, TaskConflict, EvaluatorError, DockerUnavailable
+    └── ControlError           a gateway control call (pause/resume) refused, with its HTTP status
 """
 
 from __future__ import annotations
@@ -123,3 +124,13 @@ class DockerUnavailable(RolloutError, RuntimeError):
 
 class RenderError(DialectError):
     """Tokens mode could not render a prompt or load the model's chat template; answered in the provider's shape."""
+
+
+class ControlError(PolarError):
+    """A gateway control call (pause/resume/status) refused: `status` is the HTTP status it answers with."""
+
+    def __init__(self, status: int, kind: str, message: str):
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+        self.message = message

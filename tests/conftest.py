@@ -74,6 +74,33 @@ def debug_store(engine_url: str, tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="session")
+def lora_engine() -> Iterator[str]:
+    """OpenAI base URL of a real vLLM engine serving SmolLM2-135M-Instruct with runtime LoRA adapters (weight sync).
+
+    $POLAR_MITM_LORA_ENGINE_URL if set; else the local engine on 127.0.0.1:8012 (`polar-mitm engine start --model
+    smollm2 --port 8012 --lora-rank 8`), reused when live and otherwise started for this run and stopped at its end.
+    """
+    if url := os.environ.get("POLAR_MITM_LORA_ENGINE_URL"):
+        yield url.rstrip("/")
+        return
+    from polar_mitm.local_engine import LocalEngine
+
+    engine = LocalEngine(model="smollm2", port=8012, lora_rank=8)
+    url = engine.start(timeout=900)
+    yield url
+    if engine.started_here:
+        engine.stop()
+
+
+@pytest.fixture(scope="session")
+def trainer_python() -> str:
+    """The Python a trainer step runs in (torch, transformers, peft): the local engine's venv, plus trainer packages."""
+    from polar_mitm.local_engine import build
+
+    return str(build.ensure_trainer_packages(build.engine_home()))
+
+
+@pytest.fixture(scope="session")
 def readme_store(engine_url: str, tmp_path_factory: pytest.TempPathFactory):
     """The README's main job, run with `--db hello.duckdb` in a directory of its own (tests/support/user_stores.py)."""
     from polar_mitm.errors import HarnessNotInstalled

@@ -67,10 +67,18 @@ class Assembler:
         tokenizer: Any = None,
         store: Store | None = None,
         batch_tokens: int = source.BATCH_TOKENS,
+        max_staleness: int | None = None,
+        current_version: int | None = None,
     ):
         self.build = BUILDERS.get(builder)  # ConfigError (a ValueError) naming the builders
         if lenient and not self.build.SUPPORTS_LENIENT:
             raise ConfigError(f"lenient applies to the {prefix_merging.NAME} builder only")
+        if (max_staleness is None) != (current_version is None):
+            raise ConfigError("max_staleness and current_version go together")
+        if max_staleness is not None and max_staleness < 0:
+            raise ConfigError("max_staleness must be >= 0")
+        self.max_staleness = max_staleness
+        self.current_version = current_version
         self.builder = builder
         self.session = session
         self.lenient = lenient
@@ -102,6 +110,9 @@ class Assembler:
                 exchanges = by_session.get(session_id, [])
                 for chain in self.build.build_session(exchanges, self.diagnoser, lenient=self.lenient):
                     sequence = chain.to_sequence(scores[session_id])
+                    if self._stale(sequence):
+                        self.stats.stale_sequences += 1
+                        continue
                     self._count(chain, sequence)
                     batch.append(sequence)
                 self.stats.sessions += 1
@@ -109,6 +120,13 @@ class Assembler:
                 self.stats.exchange_tokens += sum(len(e.prompt) + len(e.completion) for e in exchanges)
             yield batch
         self.stats.tokenizer = self.diagnoser.tokenizer.name if self.diagnoser.tokenizer else None
+
+    def _stale(self, sequence: Sequence) -> bool:
+        """Sampled (at least in part) more than max_staleness versions before current_version: dropped."""
+        if self.max_staleness is None or sequence.min_policy_version is None:
+            return False
+        assert self.current_version is not None
+        return self.current_version - sequence.min_policy_version > self.max_staleness
 
     def _count(self, chain: Chain, sequence: Sequence) -> None:
         stats = self.stats

@@ -84,6 +84,13 @@ class Chain:
             loss_mask[start:end] = score.trainable
             logprobs[start:end] = exchange.logprobs
         tip, first = self.tip, self.exchanges[0]
+        versions = [e.policy_version for e in self.exchanges if e.policy_version is not None]
+        token_versions = None
+        if versions and min(versions) != max(versions):
+            spread = np.full(self.length, -1, dtype=np.int64)
+            for start, end, exchange in self.spans:
+                spread[start:end] = -1 if exchange.policy_version is None else exchange.policy_version
+            token_versions = spread.tolist()
         # built from data that is valid by construction: no validation pass over every token
         sequence = Sequence.model_construct(
             sequence_id=self.sequence_id,
@@ -107,6 +114,9 @@ class Chain:
             harness=first.harness,
             model_requested=first.model_requested,
             model_engine=tip.model_engine,
+            min_policy_version=min(versions) if versions else None,
+            max_policy_version=max(versions) if versions else None,
+            token_policy_versions=token_versions,
             session_status=score.status,
             session_metadata=score.metadata,
             reward=score.reward,

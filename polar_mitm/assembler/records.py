@@ -66,6 +66,11 @@ class Sequence(BaseModel):
     model_engine: str | None = None
     session_status: str | None = None
     session_metadata: str | None = Field(None, description="the session's metadata JSON, as stored")
+    min_policy_version: int | None = Field(None, description="lowest policy version among the sequence's exchanges (null: not recorded)")
+    max_policy_version: int | None = Field(None, description="highest policy version among the sequence's exchanges")
+    token_policy_versions: list[int] | None = Field(
+        None, description="only when the sequence spans versions: the version that sampled each token, -1 where loss_mask is 0"
+    )
     reward: float | None = None
     advantage: float | None = None
     trainable: bool = True
@@ -104,6 +109,7 @@ class AssemblyStats(BaseModel):
     groups: int = 0
     no_signal_groups: int = 0
     untrainable_sessions: int = 0
+    stale_sequences: int = Field(0, description="sequences dropped by max_staleness: sampled more than K policy versions before current_version")
     tokenizer: str | None = Field(None, description="tokenizer the diagnosis used; None: break kinds other than truncated are 'unknown'")
 
     @property

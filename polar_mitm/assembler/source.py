@@ -44,6 +44,7 @@ class Exchange:
     harness: str | None
     model_requested: str | None
     model_engine: str | None
+    policy_version: int | None = None  # the gateway's policy version when the engine call started
 
 
 def prompt_key(exchange: Exchange) -> bytes:
@@ -119,7 +120,7 @@ def batches(sizes: list[tuple[str, int]], limit: int = BATCH_TOKENS) -> Iterator
 
 EXCHANGE_SQL = (
     "SELECT exchange_id, session_id, seq, prompt_token_ids, completion_token_ids, completion_logprobs, finish_reason, "
-    "json_extract_string(engine_request, '$.messages[*].role') AS roles, retry_count, api, harness, model_requested, model_engine "
+    "json_extract_string(engine_request, '$.messages[*].role') AS roles, retry_count, api, harness, model_requested, model_engine, policy_version "
     # BETWEEN lets DuckDB skip row groups by their min/max; no ORDER BY, which would sort the token lists too
     f"FROM exchanges WHERE {MATERIAL} AND session_id BETWEEN ? AND ? AND session_id IN (SELECT unnest(?::VARCHAR[]))"
 )
@@ -139,7 +140,7 @@ def load_exchanges(read: Reader, session_ids: list[str]) -> dict[str, list[Excha
         prompts = _arrays(table.column("prompt_token_ids"), np.int32)
         completions = _arrays(table.column("completion_token_ids"), np.int32)
         logprobs = _arrays(table.column("completion_logprobs"), np.float64)
-        names = ["exchange_id", "session_id", "seq", None, None, None, "finish_reason", "roles", "retry_count", "api", "harness", "model_requested", "model_engine"]
+        names = ["exchange_id", "session_id", "seq", None, None, None, "finish_reason", "roles", "retry_count", "api", "harness", "model_requested", "model_engine", "policy_version"]
         columns = [table.column(n).to_pylist() if n else None for n in names]
         plain = [[c[i] if c else None for c in columns] for i in range(table.num_rows)]
     out: dict[str, list[Exchange]] = {}
@@ -148,7 +149,7 @@ def load_exchanges(read: Reader, session_ids: list[str]) -> dict[str, list[Excha
             # the gateway refuses such replies; a store written by something else must not misalign the mask
             raise ValueError(f"exchange {row[0]}: {len(completion)} sampled tokens but {len(logprob)} logprobs")
         out.setdefault(row[1], []).append(
-            Exchange(row[0], row[1], row[2], prompt, completion, logprob, row[6], row[7], row[8], row[9], row[10], row[11], row[12])
+            Exchange(row[0], row[1], row[2], prompt, completion, logprob, row[6], row[7], row[8], row[9], row[10], row[11], row[12], row[13])
         )
     for exchanges in out.values():
         exchanges.sort(key=lambda e: e.seq)

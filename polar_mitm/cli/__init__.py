@@ -23,6 +23,7 @@ COMMAND_MODULES = [
     "polar_mitm.cli.assemble",
     "polar_mitm.cli.rollout",
     "polar_mitm.cli.notebook",
+    "polar_mitm.cli.control",
 ]
 
 

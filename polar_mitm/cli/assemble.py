@@ -23,6 +23,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--include-incomplete", action="store_true", help="train on sessions that did not complete (default: reward 0, mask 0)")
     parser.add_argument("--lenient", action="store_true", help="prefix_merging only: Polar-style prompt-to-prompt merging, NOT token-faithful (for comparison)")
     parser.add_argument("--tokenizer", help="directory with the engine's tokenizer.json, for break diagnosis (default: the local engine's model)")
+    parser.add_argument("--max-staleness", type=int, help="drop sequences sampled more than K policy versions before --current-version")
+    parser.add_argument("--current-version", type=int, help="with --max-staleness: the trainer's policy version now")
     parser.add_argument("--json", action="store_true", help="print the statistics as one JSON object")
     parser.set_defaults(func=_assemble)
 
@@ -39,6 +41,7 @@ def _assemble(args: argparse.Namespace) -> int:
         assembler = Assembler(
             db, args.builder, args.session, lenient=args.lenient, rewards_csv=args.rewards,
             include_incomplete=args.include_incomplete, tokenizer=args.tokenizer,
+            max_staleness=args.max_staleness, current_version=args.current_version,
         )
     except (ValueError, FileNotFoundError) as error:
         print(f"polar-mitm assemble: {error}", file=sys.stderr)

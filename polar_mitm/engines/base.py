@@ -182,6 +182,11 @@ class Engine:
             self.max_model_len = served["max_model_len"]
         return self.served_model
 
+    async def list_models(self) -> list[str]:
+        """Every model name the engine serves now (its base model and any loaded LoRA adapters)."""
+        response = await self._send("GET", "/models")
+        return [model["id"] for model in response.get("data") or []]
+
     def build_request(self, chat: dict[str, Any], model: str) -> dict[str, Any]:
         """The exact body sent to the engine: never streaming, always token ids and logprobs."""
         request = dict(chat)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import fnmatch
 import gc
+import hmac
 import json
 import logging
 import uuid
@@ -27,6 +28,7 @@ from polar_mitm.engines.base import Engine
 from polar_mitm.errors import CallAbandoned, ConfigError, RenderError
 from polar_mitm.exchange import DialectError, EngineError, ParsedRequest
 from polar_mitm.gateway import options
+from polar_mitm.gateway.control import EngineCallAborted, PolicyControl
 from polar_mitm.render.serve import RENDER_MODES, TokenPath
 from polar_mitm.store import ExchangeRow, Store, now
 from polar_mitm.util import load_function
@@ -56,6 +58,8 @@ class PolarAddon:
         self.all_committed.set()
         self.started = asyncio.Event()  # the store is open: running() is through
         self.tokens: TokenPath | None = None  # --render tokens
+        self.control = PolicyControl(model_exists=self._engine_serves)
+        self.listen: tuple[str, int] | None = None
 
     def load(self, loader: Any) -> None:
         options.declare(loader)  # polar_<name> for each row of gateway/options.py
@@ -105,6 +109,10 @@ class PolarAddon:
             self.store.close()
             self.store = None
             self._open_store()
+        if "polar_policy_version" in updated:
+            if ctx.options.polar_policy_version < 0:
+                raise exceptions.OptionsError("polar_policy_version must be >= 0")
+            self.control.policy_version = ctx.options.polar_policy_version
         if "confdir" in updated or not self.secret:
             self.secret = session.load_secret(ctx.options.confdir)
 
@@ -156,6 +164,7 @@ class PolarAddon:
         if not addresses:
             return None
         host, port = addresses[0][:2]
+        self.listen = (host, port)
         host = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
         return f"http://{host}:{port}"
 
@@ -190,7 +199,7 @@ class PolarAddon:
         self.sessions_by_connection[flow.client_conn] = credentials
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
-        if flow.response is not None:
+        if flow.response is not None or self._is_control(flow):
             return
         if flow.is_replay:
             # mitmproxy's replay (mitmweb's Replay, `replay.client`) re-runs this flow or a copy of it without a
@@ -212,12 +221,44 @@ class PolarAddon:
     async def request(self, flow: http.HTTPFlow) -> None:
         if flow.response is not None:
             return
+        if self._is_control(flow):
+            await self._answer_control(flow)
+            return
         path = flow.request.path.split("?", 1)[0]
         dialect = dialects.dialect_for(flow.request.method, path)
         if dialect is None:
             self._answer_non_model(flow)
             return
         await self._exchange(flow, dialect, path)
+
+    # -- the control API (pause/resume for weight updates; gateway/control.py)
+    def _is_control(self, flow: http.HTTPFlow) -> bool:
+        """A request sent to the gateway itself (not proxied, not in a tunnel) for /control/*."""
+        if not flow.request.path.startswith("/control/") or self.listen is None or flow.client_conn in self.sessions_by_connection:
+            return False
+        host, port = self.listen
+        return flow.request.port == port and (flow.request.host in (host, *LOOPBACK_HOSTS) or host in ANY_HOST)
+
+    async def _answer_control(self, flow: http.HTTPFlow) -> None:
+        token = ctx.options.polar_control_token
+        assert self.listen is not None
+        if token:
+            given = flow.request.headers.get("authorization", "")
+            allowed = hmac.compare_digest(given.encode(), f"Bearer {token}".encode())
+            status, body = (200, {}) if allowed else (401, {"error": {"type": "unauthorized", "message": "control needs 'Authorization: Bearer <polar_control_token>'"}})
+        elif self.listen[0] not in LOOPBACK_HOSTS:
+            status, body = 403, {"error": {"type": "forbidden", "message": "this gateway listens beyond loopback: set polar_control_token (--control-token) to use /control/*"}}
+        else:
+            status, body = 200, {}
+        if status == 200:
+            status, body = await self.control.handle(flow.request.method, flow.request.path.split("?", 1)[0], flow.request.get_content(strict=False) or b"")
+        flow.response = http.Response.make(status, json.dumps(body), {"content-type": "application/json"})
+        flow.metadata["polar_local"] = True
+
+    async def _engine_serves(self, model: str) -> bool:
+        if self.engine is None:
+            return False
+        return model in await self.engine.list_models()
 
     def _answer_non_model(self, flow: http.HTTPFlow) -> None:
         host = flow.request.pretty_host
@@ -350,15 +391,7 @@ class PolarAddon:
         if self.engine_hook is not None:
             context = {key: row.get(key) for key in ("session_id", "seq", "api", "model_requested", "harness", "path")}
             engine_request = self.engine_hook(engine_request, context) or engine_request
-        row["engine_started_at"] = now()
-        try:
-            if self.tokens is not None:
-                sent, raw, completion = await self.tokens.complete(parsed, engine_request, engine_model, row, parsed.notes)
-            else:
-                row.update(engine_request=engine_request, render_mode="chat")
-                sent, raw, completion = await self.engine.complete(engine_request, parsed.notes)
-        finally:
-            row["engine_ended_at"] = now()
+        sent, raw, completion = await self._complete(parsed, engine_request, row)
         row.update(
             # WireJSON: the store records the texts that crossed the wire, not encoded again (100+ KB of token ids)
             engine_request=sent,
@@ -377,6 +410,31 @@ class PolarAddon:
             return 200, dialect.STREAM_CONTENT_TYPE, stream, body_json
         return 200, "application/json", json.dumps(body_json, ensure_ascii=False).encode(), body_json
 
+    async def _complete(self, parsed: ParsedRequest, engine_request: dict[str, Any], row: ExchangeRow) -> tuple[dict[str, Any], dict[str, Any], Any]:
+        """The engine call, held while the gateway is paused; an attempt aborted for a weight update is committed
+        as its own untrainable row (status 'aborted') and the call is issued again after resume."""
+        assert self.engine is not None and self.store is not None
+
+        async def call(version: int, engine_model: str | None) -> Any:
+            request = dict(engine_request, model=engine_model) if engine_model else engine_request
+            row.update(policy_version=version, model_engine=request["model"], engine_started_at=now())
+            try:
+                if self.tokens is not None:
+                    return await self.tokens.complete(parsed, request, request["model"], row, parsed.notes)
+                row.update(engine_request=request, render_mode="chat")
+                return await self.engine.complete(request, parsed.notes)
+            finally:
+                row["engine_ended_at"] = now()
+
+        while True:
+            try:
+                _, result = await self.control.run(call)
+                return result
+            except EngineCallAborted as aborted:
+                attempt = dict(row, exchange_id=str(uuid.uuid4()), status="aborted", ended_at=now(), error=f"{aborted}; issued again after resume as exchange {row['exchange_id']}")
+                await self.store.commit_exchange(attempt)
+                row["seq"] = self.store.next_seq(row["session_id"])
+
     async def _engine_model(self, requested: str) -> str:
         assert self.engine is not None
         if self.model_map:
@@ -390,6 +448,10 @@ class PolarAddon:
     def _error(dialect: Dialect, error: DialectError) -> tuple[int, str, bytes, Any]:
         body_json = dialect.error_body(error)
         return error.status, "application/json", json.dumps(body_json).encode(), body_json
+
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+ANY_HOST = ("", "0.0.0.0", "::")
 
 
 def _proxy_auth_required() -> http.Response:

@@ -127,6 +127,15 @@ OPTIONS: tuple[Option, ...] = (
         "sql_port", int, 0, "Loopback port of the read-only SQL endpoint for other processes (0: any free port).",
         "loopback port for read-only SQL from other processes (default: any)",
     ),
+    Option(
+        "policy_version", int, 0, "The policy version stamped on engine calls until POST /control/resume sets another.",
+        "policy version stamped on engine calls until /control/resume sets another (default 0)",
+    ),
+    Option(
+        "control_token", str, "",
+        "Bearer token required by /control/* on this gateway. Empty: control is served on a loopback listen address only.",
+        "bearer token for /control/* (needed when listening beyond loopback)",
+    ),
     Option("web", bool, False, "Serve mitmweb's UI too (mitmweb keeps all of mitmdump's addons).", "serve mitmweb's UI too", addon=False),
     Option("web_port", int, 8081, "mitmweb's UI port on 127.0.0.1 (with web).", addon=False),  # no help line, as before
     Option("verbose", bool, False, "The gateway's own log (mitmproxy's termlog) on the terminal.", "the gateway's own log on the terminal", flags=("-v", "--verbose"), addon=False),

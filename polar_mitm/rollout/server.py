@@ -8,6 +8,7 @@
     DELETE /tasks/{id}            cancel the task's unfinished sessions -> 202 TaskResult
     DELETE /sessions/{id}         cancel one session -> 202 SessionResult
     GET    /health
+    POST   /control/pause|resume, GET /control/status   the same call on every gateway node this server owns
 
 A request that cannot run is a 422 whose `message` names the field (`agent.harness: ...`), in FastAPI's
 `detail` shape too; the server goes on serving.
@@ -20,6 +21,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import httpx
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -118,6 +120,30 @@ def create_app(config: NodeConfig, callbacks: CallbackSender | None = None) -> F
         if session_id not in scheduler(request).session_tasks:
             return _not_found("session", session_id)
         return scheduler(request).cancel_session(session_id)
+
+    async def fan_out(request: Request, method: str, action: str) -> JSONResponse:
+        """One gateway control call on every node, in order; a node's refusal is answered with its status."""
+        body = await request.body() if method == "POST" else None
+        statuses: dict[str, Any] = {}
+        async with httpx.AsyncClient(trust_env=False, timeout=None) as client:
+            for url in [request.app.state.node.gateway_url]:
+                reply = await client.request(method, f"{url}/control/{action}", content=body, headers={"content-type": "application/json"})
+                if reply.status_code >= 400:
+                    return JSONResponse(status_code=reply.status_code, content={**reply.json(), "node": url, "nodes": statuses})
+                statuses[url] = reply.json()
+        return JSONResponse(content={"nodes": statuses})
+
+    @app.post("/control/pause")
+    async def control_pause(request: Request) -> JSONResponse:
+        return await fan_out(request, "POST", "pause")
+
+    @app.post("/control/resume")
+    async def control_resume(request: Request) -> JSONResponse:
+        return await fan_out(request, "POST", "resume")
+
+    @app.get("/control/status")
+    async def control_status(request: Request) -> JSONResponse:
+        return await fan_out(request, "GET", "status")
 
     @app.get("/health")
     async def health(request: Request) -> dict[str, Any]:

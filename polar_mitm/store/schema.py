@@ -66,6 +66,8 @@ EXCHANGE_COLUMNS: dict[str, str] = {
     "bridged": "BOOLEAN",
     "bridge_reason": "VARCHAR",
     "output_parse_error": "VARCHAR",
+    # the gateway's policy version when this row's engine call started (POST /control/resume sets it)
+    "policy_version": "INTEGER",
 }
 
 
@@ -118,6 +120,7 @@ class ExchangeRow(TypedDict, total=False):
     bridged: bool | None
     bridge_reason: str | None
     output_parse_error: str | None
+    policy_version: int | None
 
 
 SESSION_COLUMNS: dict[str, str] = {
@@ -161,12 +164,18 @@ COMPLETED_STATUSES = frozenset({"completed", "complete", "success", "succeeded",
 TRAJECTORIES = "trajectories"
 
 
+# trajectories columns newer than the first version of the table (stores keep their table across versions)
+TRAJECTORY_ADDED_COLUMNS = {"min_policy_version": "INTEGER", "max_policy_version": "INTEGER", "token_policy_versions": "INTEGER[]"}
+
+
 def trajectory_statements(parquet: Path) -> list[str]:
     """The statements that load an assembler Parquet file into the `trajectories` table, replacing the rows of the
     (builder, session) pairs it holds; run them in one transaction (or through the store's writer)."""
     source = "read_parquet('" + str(parquet.resolve()).replace("'", "''") + "')"
     return [
         f"CREATE TABLE IF NOT EXISTS {TRAJECTORIES} AS SELECT * FROM {source} LIMIT 0",
+        # columns added since a store's table was created
+        *(f"ALTER TABLE {TRAJECTORIES} ADD COLUMN IF NOT EXISTS {name} {kind}" for name, kind in TRAJECTORY_ADDED_COLUMNS.items()),
         f"DELETE FROM {TRAJECTORIES} WHERE (builder, session_id) IN (SELECT DISTINCT builder, session_id FROM {source})",
         f"INSERT INTO {TRAJECTORIES} BY NAME SELECT * FROM {source}",
     ]
@@ -204,6 +213,9 @@ TRAJECTORIES_SCHEMA = pa.schema(
         ("harness", pa.string()),
         ("model_requested", pa.string()),
         ("model_engine", pa.string()),
+        ("min_policy_version", pa.int32()),
+        ("max_policy_version", pa.int32()),
+        ("token_policy_versions", pa.list_(pa.int32())),
     ]
 )
 
