@@ -1,7 +1,8 @@
-"""Stand-in upstreams for failures the real engine cannot be made to produce on demand (HTTP 500, a hang).
+"""Stand-in upstreams for what the real engine cannot be made to do on demand (HTTP 500, a hang, a slow answer).
 
-These are fakes, named as such: they exist only to show how the gateway behaves when its engine fails.
-Every successful path in the tests uses the real vLLM engine.
+These are fakes, named as such: they exist only to show how the gateway behaves when its engine fails or is slow.
+Every successful path in the tests uses the real vLLM engine, except the streamed-reply SDK tests, which need an
+engine that takes 30 s (SlowStandinEngine); DelayedEngineRelay slows the real engine down instead.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import json
 import threading
 import time
+import urllib.error
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
@@ -70,6 +73,117 @@ class StandinUpstream:
     def __init__(self, mode: str, delay: float = 0.0):
         handler = type("Handler", (_Handler,), {"mode": mode, "delay": delay})
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+# -- slow engines, for streamed replies that must survive a long wait (issue 18)
+
+SLOW_TEXT = "The slow stand-in engine answers."
+SLOW_ARGUMENTS = '{"value": "42"}'
+
+
+def slow_reply(request: dict) -> dict:
+    """A vLLM-shaped reply (token ids, logprobs): a fixed text, and a call of the first offered tool if any."""
+    tools = request.get("tools") or []
+    message: dict = {"role": "assistant", "content": SLOW_TEXT, "reasoning_content": None, "tool_calls": []}
+    if tools:
+        message["tool_calls"] = [{"id": "chatcmpl-tool-5l0w", "type": "function", "function": {"name": tools[0]["function"]["name"], "arguments": SLOW_ARGUMENTS}}]
+    tokens = ["The", " slow", " stand", "-in", " engine", " answers", "."]
+    return {
+        "id": "chatcmpl-slowstandin",
+        "object": "chat.completion",
+        "created": 1795950000,
+        "model": "standin",
+        "prompt_token_ids": [151644, 872, 198, 6023, 151645, 198, 151644, 77091, 198],
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "logprobs": {"content": [{"token": t, "logprob": -0.5, "bytes": list(t.encode()), "top_logprobs": []} for t in tokens]},
+                "finish_reason": "tool_calls" if tools else "stop",
+                "token_ids": [785, 6301, 2498, 3419, 4712, 11253, 13],
+            }
+        ],
+        "usage": {"prompt_tokens": 9, "completion_tokens": 7, "total_tokens": 16},
+    }
+
+
+class _SlowHandler(_Handler):
+    fail = False
+    delays: list[float] = []  # per completion in arrival order; the last one repeats
+
+    def do_POST(self) -> None:  # noqa: N802
+        request = json.loads(self.rfile.read(int(self.headers.get("content-length") or 0)) or b"{}")
+        with self.lock:
+            delay = self.delays[min(self.served[0], len(self.delays) - 1)]
+            self.served[0] += 1
+        time.sleep(delay)
+        if self.fail:
+            self._reply(500, {"object": "error", "message": "stand-in engine failure after its delay", "type": "InternalServerError", "code": 500})
+        else:
+            self._reply(200, slow_reply(request))
+
+
+class SlowStandinEngine:
+    """A stand-in engine that answers each chat completion after `delay` seconds with `slow_reply` (or, `fail=True`,
+    with HTTP 500). `delays` gives one delay per call instead, the last repeating. Named as a stand-in: no real
+    engine can be made slow on demand, and the SDK tests must not depend on one."""
+
+    def __init__(self, delay: float = 0.0, fail: bool = False, delays: list[float] | None = None):
+        attributes = {"fail": fail, "delays": delays or [delay], "served": [0], "lock": threading.Lock()}
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), type("SlowHandler", (_SlowHandler,), attributes))
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class _RelayHandler(BaseHTTPRequestHandler):
+    target = ""
+    delay = 0.0
+
+    def _forward(self, method: str) -> None:
+        body = self.rfile.read(int(self.headers.get("content-length") or 0)) if method == "POST" else None
+        if method == "POST" and self.path.endswith("/chat/completions"):
+            time.sleep(self.delay)
+        request = urllib.request.Request(self.target + self.path, data=body, method=method, headers={"content-type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=600) as response:
+                status, data = response.status, response.read()
+        except urllib.error.HTTPError as error:
+            status, data = error.code, error.read()
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:  # noqa: N802
+        self._forward("GET")
+
+    def do_POST(self) -> None:  # noqa: N802
+        self._forward("POST")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+class DelayedEngineRelay:
+    """In front of the real engine: every chat completion is forwarded after `delay` seconds, unchanged (the reply
+    is the real engine's, token ids and all). Stands in for a busy engine or a long prefill."""
+
+    def __init__(self, engine_url: str, delay: float):
+        root = engine_url.rstrip("/").removesuffix("/v1")
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), type("RelayHandler", (_RelayHandler,), {"target": root, "delay": delay}))
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()

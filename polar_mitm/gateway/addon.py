@@ -2,10 +2,16 @@
 
 One exchange, top to bottom: session (proxy credentials) -> dialect (parse) -> engine (one non-streaming
 call, token ids + logprobs) -> store (committed) -> dialect (the provider's JSON or SSE stream).
+
+A streamed request (with keepalives on) gets its status, headers and opening events at once, keepalive events
+while the engine works, and its reply's events once the row is committed (gateway/streaming.py); a failure after
+the headers is an error event in the provider's in-stream grammar, and a row like any other.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import fnmatch
 import gc
 import json
@@ -25,7 +31,8 @@ from mitmproxy import ctx, exceptions, http
 from polar_mitm import dialects, redact, session
 from polar_mitm.engines import make_engine
 from polar_mitm.engines.base import Engine
-from polar_mitm.exchange import DialectError, EngineError, ParsedRequest
+from polar_mitm.exchange import Completion, DialectError, EngineError, ParsedRequest, StreamState
+from polar_mitm.gateway.streaming import LoopbackStreams, StreamedReply
 from polar_mitm.run_cli import GATEWAY_FILE
 from polar_mitm.store import Store, now
 
@@ -42,6 +49,8 @@ class PolarAddon:
         self.model_map: list[tuple[str, str | None]] = []
         self.announced: Path | None = None
         self.engine_hook: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any] | None] | None = None
+        self.streams = LoopbackStreams()
+        self.stream_tasks: set[asyncio.Task[None]] = set()
 
     def load(self, loader: Any) -> None:
         loader.add_option("polar_upstream", str, "", "The inference engine's OpenAI-compatible base URL, e.g. http://127.0.0.1:8011/v1.")
@@ -74,6 +83,12 @@ class PolarAddon:
             "",
             "A function 'module:name' or 'path/to/file.py:name' called as hook(engine_request, context) before each engine call; it may return a changed request (e.g. sampling params, structured outputs). The row records the request as sent.",
         )
+        loader.add_option(
+            "polar_keepalive_interval",
+            float,
+            5.0,
+            "Seconds between keepalive events on a streamed reply while the engine works (Anthropic ping, Responses response.in_progress, Chat an empty-delta chunk, Gemini an empty-text chunk); status, headers and the opening events go out at once. 0: off, the whole stream is sent when the reply is ready.",
+        )
         loader.add_option("polar_sql_port", int, 0, "Loopback port of the read-only SQL endpoint for other processes (0: any free port).")
 
     def configure(self, updated: set[str]) -> None:
@@ -105,8 +120,11 @@ class PolarAddon:
             self.store.serve_sql(ctx.options.polar_sql_port)
         if "confdir" in updated or not self.secret:
             self.secret = session.load_secret(ctx.options.confdir)
+        if "polar_keepalive_interval" in updated and ctx.options.polar_keepalive_interval < 0:
+            raise exceptions.OptionsError("polar_keepalive_interval must be 0 (off) or positive")
 
     async def running(self) -> None:
+        await self.streams.start()
         self._announce()
         # everything alive now (mitmproxy, its certificates, our modules) lives as long as the proxy: out of the
         # collector's view, a full collection no longer walks it; those had paused the event loop for 50-90 ms
@@ -134,6 +152,10 @@ class PolarAddon:
         self.announced = path
 
     async def done(self) -> None:
+        await self.streams.close()
+        if self.stream_tasks:
+            # streamed exchanges still waiting for the engine: their rows are committed before the store closes
+            await asyncio.gather(*self.stream_tasks, return_exceptions=True)
         if self.announced is not None:
             self.announced.unlink(missing_ok=True)
         if self.engine is not None:
@@ -219,6 +241,9 @@ class PolarAddon:
         try:
             parsed = dialect.parse(raw_body, path, dict(query))
             row.update(model_requested=parsed.model, stream=parsed.stream, ignored_fields=parsed.ignored, normalizations=parsed.normalizations, action=parsed.action)
+            if parsed.stream and parsed.action == "generate" and ctx.options.polar_keepalive_interval > 0 and self.streams.running:
+                await self._start_stream(flow, parsed, dialect, row)
+                return
             status_code, content_type, body, body_json = await self._serve(parsed, dialect, row)
         except DialectError as error:
             row.update(status="bad_request" if error.status < 500 else "internal_error", error=error.message)
@@ -239,18 +264,12 @@ class PolarAddon:
         except Exception as error:  # noqa: BLE001 - never reply without a committed row
             log.exception("polar: could not commit exchange")
             status_code, content_type, body, _ = self._error(dialect, DialectError(500, "store_error", f"polar-mitm could not record the exchange: {error}"))
-        flow.response = http.Response.make(
-            status_code,
-            body,
-            {"content-type": content_type, "x-polar-exchange-id": row["exchange_id"], "x-polar-session-id": session_id, **({"cache-control": "no-cache"} if content_type.startswith("text/event-stream") else {})},
-        )
+        flow.response = http.Response.make(status_code, body, _reply_headers(content_type, row))
 
     async def _serve(self, parsed: ParsedRequest, dialect: Any, row: dict[str, Any]) -> tuple[int, str, bytes, Any]:
-        if self.engine is None:
-            raise EngineError("engine_unreachable", "polar-mitm has no inference engine configured (polar_upstream)", 503)
-        engine_model = await self._engine_model(parsed.model)
-        row["model_engine"] = engine_model
+        engine_model = row["model_engine"] = await self._engine_model(parsed.model)
         if parsed.action == "count_tokens":
+            assert self.engine is not None
             count_request = self.engine.build_count_request(parsed.chat, engine_model)
             row["engine_request"] = count_request
             row["engine_started_at"] = now()
@@ -259,6 +278,18 @@ class PolarAddon:
             body_json = dialect.render_count_tokens(parsed, count)
             row["engine_response"] = {"count": count}
             return 200, "application/json", json.dumps(body_json).encode(), body_json
+        completion = await self._generate(parsed, engine_model, row)
+        body_json = dialect.render_body(parsed, completion)
+        if parsed.stream:
+            stream = dialect.render_stream(parsed, completion)
+            row["response_stream"] = stream.decode("utf-8", "replace")
+            return 200, dialect.STREAM_CONTENT_TYPE, stream, body_json
+        return 200, "application/json", json.dumps(body_json, ensure_ascii=False).encode(), body_json
+
+    async def _generate(self, parsed: ParsedRequest, engine_model: str, row: dict[str, Any]) -> Completion:
+        """The engine call of one exchange, recorded on its row. Whatever it awaits, a streamed reply's keepalives go
+        on meanwhile: a gate that holds calls (a paused gateway) belongs here, before `engine.complete`."""
+        assert self.engine is not None
         engine_request = self.engine.build_request(parsed.chat, engine_model)
         if self.engine_hook is not None:
             context = {key: row.get(key) for key in ("session_id", "seq", "api", "model_requested", "harness", "path")}
@@ -280,15 +311,73 @@ class PolarAddon:
             prompt_tokens=completion.prompt_tokens,
             completion_tokens=completion.completion_tokens,
         )
-        body_json = dialect.render_body(parsed, completion)
-        if parsed.stream:
-            stream = dialect.render_stream(parsed, completion)
-            row["response_stream"] = stream.decode("utf-8", "replace")
-            return 200, dialect.STREAM_CONTENT_TYPE, stream, body_json
-        return 200, "application/json", json.dumps(body_json, ensure_ascii=False).encode(), body_json
+        return completion
+
+    async def _start_stream(self, flow: http.HTTPFlow, parsed: ParsedRequest, dialect: Any, row: dict[str, Any]) -> None:
+        """Answer a streamed request at once and finish it in a task of its own. What can still fail as an HTTP
+        status (no engine, an unserved model) fails here, before the headers."""
+        engine_model = row["model_engine"] = await self._engine_model(parsed.model)
+        state = StreamState(id=f"chatcmpl-{row['exchange_id'].replace('-', '')}", created=int(time.time()))
+        opening = dialect.stream_opening(parsed, state) or dialect.stream_keepalive(parsed, state)
+        reply = StreamedReply(_reply_headers(dialect.STREAM_CONTENT_TYPE, row), opening, lambda: dialect.stream_keepalive(parsed, state), ctx.options.polar_keepalive_interval)
+        self.streams.route(flow, reply)
+        task = asyncio.get_running_loop().create_task(self._finish_stream(flow, parsed, dialect, row, engine_model, state, reply))
+        self.stream_tasks.add(task)
+        task.add_done_callback(self.stream_tasks.discard)
+
+    async def _finish_stream(self, flow: http.HTTPFlow, parsed: ParsedRequest, dialect: Any, row: dict[str, Any], engine_model: str, state: StreamState, reply: StreamedReply) -> None:
+        """Engine call, then the row committed, then the reply's last events (or an in-stream error) sent."""
+        assert self.store is not None
+        error: DialectError | None = None
+        try:
+            completion = await self._generate(parsed, engine_model, row)
+        except EngineError as failure:
+            row.update(status=failure.status_class, error=failure.message, engine_response=failure.engine_body)
+            error = DialectError(failure.http_status, failure.status_class, failure.message)
+        except Exception as failure:  # noqa: BLE001 - recorded and told to the client in its grammar
+            log.exception("polar: internal error")
+            row.update(status="internal_error", error=f"{type(failure).__name__}: {failure}")
+            error = DialectError(500, "internal_error", f"polar-mitm internal error: {type(failure).__name__}: {failure}")
+        sent = reply.hold()
+        numbered = state.events
+        if error is None:
+            try:
+                completion = dataclasses.replace(completion, id=state.id, created=state.created)  # the ids the opening announced
+                body_json = dialect.render_body(parsed, completion)
+                rest = dialect.stream_body(parsed, state, completion)
+            except Exception as failure:  # noqa: BLE001
+                log.exception("polar: internal error")
+                row.update(status="internal_error", error=f"{type(failure).__name__}: {failure}")
+                error = DialectError(500, "internal_error", f"polar-mitm internal error: {type(failure).__name__}: {failure}")
+        if error is not None:
+            state.events = numbered
+            body_json, rest = dialect.error_body(error), dialect.stream_error(parsed, state, error)
+        row.update(http_status=200, response_body=body_json, response_stream=(sent + rest).decode("utf-8", "replace"), ended_at=now())
+        row.setdefault("status", "ok")
+        try:
+            await self.store.commit_exchange(row)
+        except Exception as failure:  # noqa: BLE001 - the client must not take an unrecorded reply for a recorded one
+            log.exception("polar: could not commit exchange")
+            state.events = numbered
+            rest = dialect.stream_error(parsed, state, DialectError(500, "store_error", f"polar-mitm could not record the exchange: {failure}"))
+        flow.metadata["polar_stream_sent"] = sent + rest
+        reply.finish(rest)
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        if self.streams.restore(flow):
+            flow.response.stream = True  # relay the loopback server's chunks as they come
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        sent = flow.metadata.pop("polar_stream_sent", None)
+        if sent is not None and flow.response is not None:
+            flow.response.content = sent  # for mitmweb and flow files; the client has had it already
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        self.streams.restore(flow)  # a route the client left before it was taken
 
     async def _engine_model(self, requested: str) -> str:
-        assert self.engine is not None
+        if self.engine is None:
+            raise EngineError("engine_unreachable", "polar-mitm has no inference engine configured (polar_upstream)", 503)
         if self.model_map:
             for pattern, target in self.model_map:
                 if fnmatch.fnmatchcase(requested, pattern):
@@ -300,6 +389,13 @@ class PolarAddon:
     def _error(dialect: Any, error: DialectError) -> tuple[int, str, bytes, Any]:
         body_json = dialect.error_body(error)
         return error.status, "application/json", json.dumps(body_json).encode(), body_json
+
+
+def _reply_headers(content_type: str, row: dict[str, Any]) -> dict[str, str]:
+    headers = {"content-type": content_type, "x-polar-exchange-id": row["exchange_id"], "x-polar-session-id": row["session_id"]}
+    if content_type.startswith("text/event-stream"):
+        headers["cache-control"] = "no-cache"
+    return headers
 
 
 def _proxy_auth_required() -> http.Response:

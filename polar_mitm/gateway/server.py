@@ -44,6 +44,7 @@ def make_master(config: GatewayConfig):
         "polar_engine": config.engine,
         "polar_engine_model": config.engine_model or "",
         "polar_engine_timeout": config.engine_timeout,
+        "polar_keepalive_interval": config.keepalive_interval,
         "polar_split_reasoning": config.split_reasoning,
         "polar_model_map": list(config.model_map),
         "polar_require_auth": config.require_auth,
