@@ -593,7 +593,8 @@ def _event(chunk: dict[str, Any]) -> bytes:
 
 
 def stream_opening(parsed: ParsedRequest, state: StreamState) -> bytes:
-    """Google's grammar has no opening event: the first chunk already carries content."""
+    """Google's grammar has no opening event (the first chunk already carries content): a streamed reply starts with
+    its status and headers alone, and a reply ready before the first keepalive is byte for byte what it was."""
     return b""
 
 

@@ -318,8 +318,7 @@ class PolarAddon:
         status (no engine, an unserved model) fails here, before the headers."""
         engine_model = row["model_engine"] = await self._engine_model(parsed.model)
         state = StreamState(id=f"chatcmpl-{row['exchange_id'].replace('-', '')}", created=int(time.time()))
-        opening = dialect.stream_opening(parsed, state) or dialect.stream_keepalive(parsed, state)
-        reply = StreamedReply(_reply_headers(dialect.STREAM_CONTENT_TYPE, row), opening, lambda: dialect.stream_keepalive(parsed, state), ctx.options.polar_keepalive_interval)
+        reply = StreamedReply(_reply_headers(dialect.STREAM_CONTENT_TYPE, row), dialect.stream_opening(parsed, state), lambda: dialect.stream_keepalive(parsed, state), ctx.options.polar_keepalive_interval)
         self.streams.route(flow, reply)
         task = asyncio.get_running_loop().create_task(self._finish_stream(flow, parsed, dialect, row, engine_model, state, reply))
         self.stream_tasks.add(task)
