@@ -49,6 +49,7 @@ def both_ways(client: genai.Client, contents: Any, config: types.GenerateContent
 
 def assert_stream_equals_body(response: types.GenerateContentResponse, chunks: list[types.GenerateContentResponse]) -> None:
     """What a streaming client accumulates is exactly the non-streamed answer."""
+    chunks = [chunk for chunk in chunks if not is_keepalive(chunk.model_dump(mode="json", by_alias=True, exclude_none=True))]
     assert len(chunks) >= 1
     streamed_parts = [part for chunk in chunks for part in chunk.candidates[0].content.parts]
     assert streamed_parts == response.candidates[0].content.parts
@@ -80,8 +81,15 @@ def exchanges(gateway: Gateway, session_id: str) -> list[dict[str, Any]]:
 
 
 def sse_events(stream: str) -> list[dict[str, Any]]:
+    """The stream's chunks, keepalives left out."""
     assert stream.endswith("\r\n\r\n") and "event:" not in stream
-    return [json.loads(event.removeprefix("data: ")) for event in stream.split("\r\n\r\n") if event]
+    return [chunk for event in stream.split("\r\n\r\n") if event and not is_keepalive(chunk := json.loads(event.removeprefix("data: ")))]
+
+
+def is_keepalive(chunk: dict[str, Any]) -> bool:
+    """What the gateway sends while the engine works (a slow engine makes some): a chunk with one empty text part."""
+    candidates = chunk.get("candidates") or [{}]
+    return candidates[0].get("content", {}).get("parts") == [{"text": ""}] and "finishReason" not in candidates[0]
 
 
 # -- google-genai against the real engine

@@ -3,7 +3,7 @@
 Each official SDK (openai Chat + Responses, anthropic, google-genai) calls its provider's host through the real
 gateway, whose engine is a stand-in that takes SLOW seconds (tests/upstream_standins.py; no real engine can be made
 that slow on demand). The SDK must see its first event at once, keep reading through the keepalives, and assemble
-exactly the message a gateway without keepalives (the whole stream sent when ready) gives for the same reply; an
+exactly the message a gateway without keepalives (--keepalive-interval 0) gives for the same reply; an
 engine failure after FAIL_AFTER seconds must surface in the SDK as its own in-stream error.
 """
 
@@ -187,8 +187,8 @@ KEEPALIVE_PATTERNS = {
 
 @pytest.fixture(scope="module")
 def gateways(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Gateway]]:
-    """slow: a 30 s engine, keepalives every second; reference: the same replies at once, keepalives off (the
-    stream sent whole, as before); failing: HTTP 500 after 10 s, keepalives every second."""
+    """slow: a 30 s engine, keepalives every second; reference: the same replies at once, no keepalives;
+    failing: HTTP 500 after 10 s, keepalives every second."""
     from tests.gatewayproc import free_port
 
     engines = {"slow": SlowStandinEngine(delay=SLOW), "reference": SlowStandinEngine(delay=0), "failing": SlowStandinEngine(delay=FAIL_AFTER, fail=True)}

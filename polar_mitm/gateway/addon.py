@@ -3,9 +3,8 @@
 One exchange, top to bottom: session (proxy credentials) -> dialect (parse) -> engine (one non-streaming
 call, token ids + logprobs) -> store (committed) -> dialect (the provider's JSON or SSE stream).
 
-A streamed request (with keepalives on) gets its status, headers and opening events at once, keepalive events
-while the engine works, and its reply's events once the row is committed (gateway/streaming.py); a failure after
-the headers is an error event in the provider's in-stream grammar, and a row like any other.
+A streamed request gets its status, headers and opening events at once, keepalive events and its reply's events once the row is committed (gateway/streaming.py); a failure after the headers is an error
+event in the provider's in-stream grammar, and a row like any other.
 """
 
 from __future__ import annotations
@@ -87,7 +86,7 @@ class PolarAddon:
             "polar_keepalive_interval",
             float,
             5.0,
-            "Seconds between keepalive events on a streamed reply while the engine works (Anthropic ping, Responses response.in_progress, Chat an empty-delta chunk, Gemini an empty-text chunk); status, headers and the opening events go out at once. 0: off, the whole stream is sent when the reply is ready.",
+            "Seconds between keepalive events on a streamed reply while the engine works (Anthropic ping, Responses response.in_progress, Chat an empty-delta chunk, Gemini an empty-text chunk). Status, headers and the opening events go out at once either way. 0: no keepalives.",
         )
         loader.add_option("polar_sql_port", int, 0, "Loopback port of the read-only SQL endpoint for other processes (0: any free port).")
 
@@ -241,7 +240,7 @@ class PolarAddon:
         try:
             parsed = dialect.parse(raw_body, path, dict(query))
             row.update(model_requested=parsed.model, stream=parsed.stream, ignored_fields=parsed.ignored, normalizations=parsed.normalizations, action=parsed.action)
-            if parsed.stream and parsed.action == "generate" and ctx.options.polar_keepalive_interval > 0 and self.streams.running:
+            if parsed.stream and parsed.action == "generate" and self.streams.running:
                 await self._start_stream(flow, parsed, dialect, row)
                 return
             status_code, content_type, body, body_json = await self._serve(parsed, dialect, row)

@@ -17,7 +17,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--engine", choices=["vllm", "sglang"], default="vllm", help="engine kind (default vllm)")
     parser.add_argument("--engine-model", help="engine's served model name (default: discovered from /models)")
     parser.add_argument("--engine-timeout", type=float, default=600.0, help="seconds per engine call (default 600)")
-    parser.add_argument("--keepalive-interval", type=float, default=5.0, metavar="SECONDS", help="streamed replies: headers and opening events at once, then a provider-native keepalive event every SECONDS until the reply is ready (default 5; 0: off, the stream is sent whole when ready)")
+    parser.add_argument("--keepalive-interval", type=float, default=5.0, metavar="SECONDS", help="streamed replies send status, headers and opening events at once, then a provider-native keepalive event every SECONDS until the reply is ready (default 5; 0: no keepalives)")
     parser.add_argument("--split-reasoning", action="store_true", help="split inline <think>...</think> from engine content into reasoning (engines without a reasoning parser)")
     parser.add_argument("--model-map", action="append", default=[], metavar="GLOB[=MODEL]", help="serve only these requested model names (repeatable)")
     parser.add_argument("--require-auth", action="store_true", help="407 unless the proxy URL carries valid session credentials")

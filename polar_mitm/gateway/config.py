@@ -18,7 +18,7 @@ class GatewayConfig(BaseModel):
     engine: str = Field("vllm", pattern="^(vllm|sglang)$")
     engine_model: str | None = None
     engine_timeout: float = Field(600.0, gt=0)
-    keepalive_interval: float = Field(5.0, ge=0, description="Seconds between keepalive events on a streamed reply while the engine works; 0: off (the stream is sent whole when ready).")
+    keepalive_interval: float = Field(5.0, ge=0, description="Seconds between keepalive events on a streamed reply while the engine works; 0: none (headers and opening events still go out at once).")
     split_reasoning: bool = Field(False, description="Split inline <think>...</think> from the engine's content into reasoning.")
     model_map: list[str] = Field(default_factory=list)
     require_auth: bool = False
