@@ -44,7 +44,8 @@ def test_keepalives_carry_a_harness_through_a_slow_engine(installed, name, make_
         result = run_harness(kept, name, session_id, tmp_path / "kept", case["options"])
         rows = check_run(kept, name, session_id, tmp_path / "kept", result)
         for row in rows:  # every turn waited longer than the idle timeout, with keepalives on the record
-            assert row["engine_ended_at"] - row["engine_started_at"] >= datetime.timedelta(seconds=case["delay"])
+            waited = datetime.datetime.fromisoformat(str(row["engine_ended_at"])) - datetime.datetime.fromisoformat(str(row["engine_started_at"]))
+            assert waited >= datetime.timedelta(seconds=case["delay"])
             assert row["response_stream"].count(KEEPALIVE_MARK[name]) >= case["delay"] - 3 + BASELINE_MARKS[name]
 
         failed = run_harness(silent, name, session_id, tmp_path / "silent", case["options"])

@@ -265,3 +265,29 @@ def test_engine_failure_inside_the_stream_raises_in_each_sdk(gateways: dict[str,
     assert responses.events[-1] == "response.failed" and responses.failure.code == "server_error" and "HTTP 500" in responses.failure.message
     assert "response.completed" in str(responses.error)
     assert failing["anthropic_messages"][1].error.body["error"]["type"] == "api_error"
+
+
+def test_a_non_streamed_call_is_answered_before_its_harness_gives_up(make_gateway, session_id: str) -> None:
+    """A non-streamed call cannot be kept alive. Gemini CLI's router call is one, and its HTTP client waits 60 s for
+    headers: the gateway gives the engine until 5 s before that and answers a Google-shaped 504, recorded as
+    engine_timeout, instead of a reply nobody would read (the default --engine-timeout is 600 s)."""
+    import httpx
+
+    from polar_mitm import harnesses
+    from tests.upstream_standins import StandinUpstream
+
+    limit = harnesses.get("gemini").unstreamed_timeout
+    standin = StandinUpstream("hang", delay=limit + 10)
+    try:
+        gateway = make_gateway(upstream=standin.url)
+        body = {"contents": [{"role": "user", "parts": [{"text": "Route this."}]}]}
+        with httpx.Client(proxy=gateway.proxy_url(session_id), verify=gateway.ssl_context(), trust_env=False, timeout=limit + 30) as client:
+            started = time.monotonic()
+            response = client.post("https://generativelanguage.googleapis.com/v1beta/models/gemini-3.5-flash-lite:generateContent", json=body, headers={"user-agent": "GeminiCLI/0.61.0/gemini-3.5-flash-lite (linux; x64)", "x-goog-api-key": "k"})
+            elapsed = time.monotonic() - started
+    finally:
+        standin.close()
+    assert response.status_code == 504 and response.json()["error"]["status"] == "DEADLINE_EXCEEDED", response.text
+    assert limit - 10 < elapsed < limit, elapsed
+    [row] = gateway.exchanges(session_id)
+    assert (row["harness"], row["stream"], row["status"], row["http_status"]) == ("gemini", False, "engine_timeout", 504)

@@ -174,19 +174,20 @@ class Engine:
     def token_id_fields(self) -> dict[str, Any]:
         return {}
 
-    async def complete(self, engine_request: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], Completion]:
-        """One engine call: (the request as finally sent, the engine's raw reply, the parsed completion)."""
+    async def complete(self, engine_request: dict[str, Any], timeout: float | None = None) -> tuple[dict[str, Any], dict[str, Any], Completion]:
+        """One engine call: (the request as finally sent, the engine's raw reply, the parsed completion). `timeout`:
+        seconds for this call instead of the engine's own."""
         # encoded once: the same text is sent and recorded
         engine_request = WireJSON(engine_request)
         try:
-            raw = await self._send("POST", "/chat/completions", engine_request)
+            raw = await self._send("POST", "/chat/completions", engine_request, timeout=timeout)
         except EngineError as error:
             if not (error.status_class == "engine_rejected" and _is_context_length_error(error) and _has_max_tokens(engine_request)):
                 raise
             # harnesses ask for more output tokens than a small engine's context holds; without a limit the engine
             # samples up to the room left, which is min(requested, room): the same request, answered
             engine_request = WireJSON({k: v for k, v in engine_request.items() if k not in ("max_tokens", "max_completion_tokens")})
-            raw = await self._send("POST", "/chat/completions", engine_request)
+            raw = await self._send("POST", "/chat/completions", engine_request, timeout=timeout)
         return engine_request, raw, self.parse_completion(raw)
 
     def build_count_request(self, chat: dict[str, Any], model: str) -> dict[str, Any]:
@@ -196,17 +197,20 @@ class Engine:
     async def count_tokens(self, count_request: dict[str, Any]) -> int:
         raise EngineError("engine_error", f"{self.kind} engine cannot count tokens", 501)
 
-    async def _send(self, method: str, path: str, body: dict[str, Any] | None = None, root: bool = False) -> dict[str, Any]:
+    async def _send(self, method: str, path: str, body: dict[str, Any] | None = None, root: bool = False, timeout: float | None = None) -> dict[str, Any]:
         url = (self.root_url if root else self.base_url) + path
         data = None
         if body is not None:
             data = (body.text if isinstance(body, WireJSON) else json.dumps(body, ensure_ascii=False)).encode()
+        limit = self.timeout if timeout is None else timeout
+        # only a call's own limit is passed: aiohttp reads timeout=None as "no limit", not as the session's
+        per_call = {"timeout": aiohttp.ClientTimeout(total=None, sock_connect=10.0, sock_read=limit)} if timeout is not None else {}
         try:
-            async with self._http().request(method, url, data=data, headers={"content-type": "application/json"} if data is not None else None) as response:
+            async with self._http().request(method, url, data=data, headers={"content-type": "application/json"} if data is not None else None, **per_call) as response:
                 status = response.status
                 text = (await response.read()).decode("utf-8", "replace")
         except TimeoutError as error:  # aiohttp's socket timeouts are TimeoutErrors too
-            raise EngineError("engine_timeout", f"the inference engine did not answer within {self.timeout:g}s ({type(error).__name__})", 504) from error
+            raise EngineError("engine_timeout", f"the inference engine did not answer within {limit:g}s ({type(error).__name__})", 504) from error
         except aiohttp.ClientError as error:
             raise EngineError("engine_unreachable", f"the inference engine at {self.base_url} is unreachable: {error!r}", 503) from error
         try:

@@ -27,7 +27,7 @@ from typing import Any
 
 from mitmproxy import ctx, exceptions, http
 
-from polar_mitm import dialects, redact, session
+from polar_mitm import dialects, harnesses, redact, session
 from polar_mitm.engines import make_engine
 from polar_mitm.engines.base import Engine
 from polar_mitm.exchange import Completion, DialectError, EngineError, ParsedRequest, StreamState
@@ -277,7 +277,7 @@ class PolarAddon:
             body_json = dialect.render_count_tokens(parsed, count)
             row["engine_response"] = {"count": count}
             return 200, "application/json", json.dumps(body_json).encode(), body_json
-        completion = await self._generate(parsed, engine_model, row)
+        completion = await self._generate(parsed, engine_model, row, None if parsed.stream else _unstreamed_timeout(row.get("harness")))
         body_json = dialect.render_body(parsed, completion)
         if parsed.stream:
             stream = dialect.render_stream(parsed, completion)
@@ -285,9 +285,10 @@ class PolarAddon:
             return 200, dialect.STREAM_CONTENT_TYPE, stream, body_json
         return 200, "application/json", json.dumps(body_json, ensure_ascii=False).encode(), body_json
 
-    async def _generate(self, parsed: ParsedRequest, engine_model: str, row: dict[str, Any]) -> Completion:
-        """The engine call of one exchange, recorded on its row. Whatever it awaits, a streamed reply's keepalives go
-        on meanwhile: a gate that holds calls (a paused gateway) belongs here, before `engine.complete`."""
+    async def _generate(self, parsed: ParsedRequest, engine_model: str, row: dict[str, Any], timeout: float | None = None) -> Completion:
+        """The engine call of one exchange, recorded on its row (`timeout`: this call's limit, if not the engine's).
+        Whatever it awaits, a streamed reply's keepalives go on meanwhile: a gate that holds calls (a paused
+        gateway) belongs here, before `engine.complete`."""
         assert self.engine is not None
         engine_request = self.engine.build_request(parsed.chat, engine_model)
         if self.engine_hook is not None:
@@ -296,7 +297,7 @@ class PolarAddon:
         row["engine_request"] = engine_request
         row["engine_started_at"] = now()
         try:
-            sent, raw, completion = await self.engine.complete(engine_request)
+            sent, raw, completion = await self.engine.complete(engine_request, timeout)
         finally:
             row["engine_ended_at"] = now()
         row.update(
@@ -387,6 +388,20 @@ class PolarAddon:
     def _error(dialect: Any, error: DialectError) -> tuple[int, str, bytes, Any]:
         body_json = dialect.error_body(error)
         return error.status, "application/json", json.dumps(body_json).encode(), body_json
+
+
+# how much sooner than the harness gives up the gateway answers a non-streamed call it cannot finish
+UNSTREAMED_MARGIN_S = 5.0
+
+
+def _unstreamed_timeout(harness: str | None) -> float | None:
+    """A non-streamed call cannot be kept alive: when the calling harness is known to give up on one sooner than
+    --engine-timeout, the engine gets until just before then, and the harness a provider-shaped 504 (recorded as
+    engine_timeout) instead of a reply it would no longer read (recorded as ok, and then retried: a duplicate)."""
+    limit = harnesses.get(harness).unstreamed_timeout if harness in harnesses.NAMES else None
+    if limit is None or limit - UNSTREAMED_MARGIN_S >= ctx.options.polar_engine_timeout:
+        return None
+    return limit - UNSTREAMED_MARGIN_S
 
 
 def _reply_headers(content_type: str, row: dict[str, Any]) -> dict[str, str]:
