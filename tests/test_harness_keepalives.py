@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import time
 
 import pytest
 
@@ -52,9 +53,12 @@ def test_keepalives_carry_a_harness_through_a_slow_engine(installed, name, make_
         proof = tmp_path / "silent" / "workspace" / steering.PROOF_FILE
         report = f"exit {failed.returncode}\n--- stdout\n{failed.stdout[-2000:]}\n--- stderr\n{failed.stderr[-2000:]}"
         assert not proof.exists() or failed.returncode != 0, report
+        time.sleep(case["delay"] + 2)  # each abandoned engine call finishes (and commits its row) within a delay
         silent_rows = silent.exchanges(session_id)
-        # the harness abandoned the first turn: it never got to send the tool result back
-        assert not any(_has_tool_result(row) for row in silent_rows), report
+        # the harness abandoned the first turn: it never got to send the tool result back, and each abandoned
+        # reply is a row of its own, marked as never seen (the engine finished after the client had left)
+        assert silent_rows and not any(_has_tool_result(row) for row in silent_rows), report
+        assert {row["status"] for row in silent_rows} == {"client_closed"}, [(r["status"], r["error"]) for r in silent_rows]
         print(f"\n{name} without keepalives: exit {failed.returncode}, {len(silent_rows)} rows {[r['status'] for r in silent_rows]}")
     finally:
         relay.close()

@@ -291,3 +291,29 @@ def test_a_non_streamed_call_is_answered_before_its_harness_gives_up(make_gatewa
     assert limit - 10 < elapsed < limit, elapsed
     [row] = gateway.exchanges(session_id)
     assert (row["harness"], row["stream"], row["status"], row["http_status"]) == ("gemini", False, "engine_timeout", 504)
+
+
+def test_a_retry_after_an_in_stream_error_is_a_retry_not_a_fork(make_gateway, session_id: str) -> None:
+    """What Claude Code does after an `event: error`: the same request again, its retry counter up. The failed
+    exchange is a row with its status; the trajectory has the retry's tokens once, in one sequence."""
+    from polar_mitm.assembler import assemble
+
+    engine = SlowStandinEngine(delay=2, failures=1)
+    try:
+        gateway = make_gateway("--keepalive-interval", "0.5", upstream=engine.url)
+        with proxy_env(gateway, session_id):
+            client = anthropic.Anthropic(api_key="sk-ant-polar-test", max_retries=0)
+        request = {"model": MODEL_ANTHROPIC, "max_tokens": 64, "messages": [{"role": "user", "content": PROMPT}]}
+        with pytest.raises(anthropic.APIStatusError) as failed:
+            with client.messages.stream(**request) as stream:
+                stream.get_final_message()
+        assert failed.value.body["error"]["type"] == "api_error"
+        with client.messages.stream(**request, extra_headers={"x-stainless-retry-count": "1"}) as stream:
+            message = stream.get_final_message()
+        assert message.content[0].text == SLOW_TEXT
+        rows = rows_of(gateway, session_id)
+        assert [(r["seq"], r["status"], r["retry_count"]) for r in rows] == [(1, "engine_error", 0), (2, "ok", 1)]
+        [sequence] = assemble(gateway.db, builder="prefix_merging", session=session_id).sequences
+        assert sequence.exchange_ids == [rows[1]["exchange_id"]]
+    finally:
+        engine.close()

@@ -43,7 +43,9 @@ class _Handler(BaseHTTPRequestHandler):
     delay = 0.0
 
     def _reply(self, status: int, payload: dict) -> None:
-        data = json.dumps(payload).encode()
+        self._send(status, json.dumps(payload).encode())
+
+    def _send(self, status: int, data: bytes) -> None:
         self.send_response(status)
         self.send_header("content-type", "application/json")
         self.send_header("content-length", str(len(data)))
@@ -67,11 +69,10 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
 
-class StandinUpstream:
-    """`mode="sglang"` answers like SGLang; `mode="500"` answers every completion with HTTP 500; `mode="hang"` answers after `delay` seconds."""
+class _Served:
+    """A handler class served on a free loopback port in a thread; `url` is its OpenAI base URL."""
 
-    def __init__(self, mode: str, delay: float = 0.0):
-        handler = type("Handler", (_Handler,), {"mode": mode, "delay": delay})
+    def __init__(self, handler: type[BaseHTTPRequestHandler]):
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
@@ -80,6 +81,13 @@ class StandinUpstream:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+class StandinUpstream(_Served):
+    """`mode="sglang"` answers like SGLang; `mode="500"` answers every completion with HTTP 500; `mode="hang"` answers after `delay` seconds."""
+
+    def __init__(self, mode: str, delay: float = 0.0):
+        super().__init__(type("Handler", (_Handler,), {"mode": mode, "delay": delay}))
 
 
 # -- slow engines, for streamed replies that must survive a long wait (issue 18)
@@ -115,39 +123,31 @@ def slow_reply(request: dict) -> dict:
 
 
 class _SlowHandler(_Handler):
-    fail = False
-    delays: list[float] = []  # per completion in arrival order; the last one repeats
+    failures: list[int] = [0]  # how many of the next completions fail (shared by the server's threads)
 
     def do_POST(self) -> None:  # noqa: N802
         request = json.loads(self.rfile.read(int(self.headers.get("content-length") or 0)) or b"{}")
+        time.sleep(self.delay)
         with self.lock:
-            delay = self.delays[min(self.served[0], len(self.delays) - 1)]
-            self.served[0] += 1
-        time.sleep(delay)
-        if self.fail:
+            fail = self.failures[0] > 0
+            self.failures[0] -= fail
+        if fail:
             self._reply(500, {"object": "error", "message": "stand-in engine failure after its delay", "type": "InternalServerError", "code": 500})
         else:
             self._reply(200, slow_reply(request))
 
 
-class SlowStandinEngine:
-    """A stand-in engine that answers each chat completion after `delay` seconds with `slow_reply` (or, `fail=True`,
-    with HTTP 500). `delays` gives one delay per call instead, the last repeating. Named as a stand-in: no real
-    engine can be made slow on demand, and the SDK tests must not depend on one."""
+class SlowStandinEngine(_Served):
+    """A stand-in engine that answers each chat completion after `delay` seconds with `slow_reply`; the first
+    `failures` completions (all, with `fail=True`) get HTTP 500 instead. Named as a stand-in: no real engine can be
+    made slow or failing on demand, and the SDK tests must not depend on one."""
 
-    def __init__(self, delay: float = 0.0, fail: bool = False, delays: list[float] | None = None):
-        attributes = {"fail": fail, "delays": delays or [delay], "served": [0], "lock": threading.Lock()}
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), type("SlowHandler", (_SlowHandler,), attributes))
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+    def __init__(self, delay: float = 0.0, fail: bool = False, failures: int = 0):
+        attributes = {"delay": delay, "failures": [10**9 if fail else failures], "lock": threading.Lock()}
+        super().__init__(type("SlowHandler", (_SlowHandler,), attributes))
 
 
-class _RelayHandler(BaseHTTPRequestHandler):
+class _RelayHandler(_Handler):
     target = ""
     delay = 0.0
 
@@ -161,11 +161,7 @@ class _RelayHandler(BaseHTTPRequestHandler):
                 status, data = response.status, response.read()
         except urllib.error.HTTPError as error:
             status, data = error.code, error.read()
-        self.send_response(status)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        self._send(status, data)
 
     def do_GET(self) -> None:  # noqa: N802
         self._forward("GET")
@@ -173,21 +169,11 @@ class _RelayHandler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802
         self._forward("POST")
 
-    def log_message(self, *args: object) -> None:
-        pass
 
-
-class DelayedEngineRelay:
+class DelayedEngineRelay(_Served):
     """In front of the real engine: every chat completion is forwarded after `delay` seconds, unchanged (the reply
     is the real engine's, token ids and all). Stands in for a busy engine or a long prefill."""
 
     def __init__(self, engine_url: str, delay: float):
         root = engine_url.rstrip("/").removesuffix("/v1")
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), type("RelayHandler", (_RelayHandler,), {"target": root, "delay": delay}))
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        super().__init__(type("RelayHandler", (_RelayHandler,), {"target": root, "delay": delay}))

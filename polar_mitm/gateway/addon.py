@@ -351,6 +351,10 @@ class PolarAddon:
         if error is not None:
             state.events = numbered
             body_json, rest = dialect.error_body(error), dialect.stream_error(parsed, state, error)
+        if flow.error is not None and "status" not in row:
+            # the client left while the engine worked (its idle timeout, a kill): it never saw these tokens, and a
+            # retry of it is an exchange of its own; kept for the record, not for training
+            row.update(status="client_closed", error=f"the client left before the reply was complete: {flow.error.msg}")
         row.update(http_status=200, response_body=body_json, response_stream=(sent + rest).decode("utf-8", "replace"), ended_at=now())
         row.setdefault("status", "ok")
         try:
