@@ -25,8 +25,10 @@ CASES = {
     "qwen": {"env": {"QWEN_STREAM_IDLE_TIMEOUT_MS": "4000"}, "options": (), "delay": 10.0},
     # stream_idle_timeout_ms wraps each eventsource.next() (default 300 s); one retry keeps the failing run short
     "codex": {"env": {}, "options": ("-c", "model_providers.polar_openai.stream_idle_timeout_ms=4000", "-c", "model_providers.polar_openai.stream_max_retries=1"), "delay": 10.0},
-    # CLAUDE_BYTE_STREAM_IDLE_TIMEOUT_MS: the byte-level watchdog (floor 10 s; 180 s by default first-party)
-    "claude": {"env": {"CLAUDE_BYTE_STREAM_IDLE_TIMEOUT_MS": "10000", "CLAUDE_CODE_MAX_RETRIES": "1"}, "options": (), "delay": 16.0},
+    # CLAUDE_BYTE_STREAM_IDLE_TIMEOUT_MS: the byte-level watchdog (floor 10 s). Run here, 2.1.332 with an API key
+    # did not give up on a 16 s silent stream (the watchdog seems not armed for that connection); its event watchdog
+    # has a 300 s floor. So only the half with keepalives is shown for it.
+    "claude": {"env": {"CLAUDE_BYTE_STREAM_IDLE_TIMEOUT_MS": "10000", "CLAUDE_CODE_MAX_RETRIES": "1"}, "options": (), "delay": 16.0, "fails_without": False},
 }
 
 
@@ -49,6 +51,8 @@ def test_keepalives_carry_a_harness_through_a_slow_engine(installed, name, make_
             assert waited >= datetime.timedelta(seconds=case["delay"])
             assert row["response_stream"].count(KEEPALIVE_MARK[name]) >= case["delay"] - 3 + BASELINE_MARKS[name]
 
+        if not case.get("fails_without", True):
+            return
         failed = run_harness(silent, name, session_id, tmp_path / "silent", case["options"])
         proof = tmp_path / "silent" / "workspace" / steering.PROOF_FILE
         report = f"exit {failed.returncode}\n--- stdout\n{failed.stdout[-2000:]}\n--- stderr\n{failed.stderr[-2000:]}"
