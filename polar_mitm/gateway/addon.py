@@ -3,8 +3,9 @@
 One exchange, top to bottom: session (proxy credentials) -> dialect (parse) -> engine (one non-streaming
 call, token ids + logprobs) -> store (committed) -> dialect (the provider's JSON or SSE stream).
 
-A streamed request gets its status, headers and opening events at once, keepalive events and its reply's events once the row is committed (gateway/streaming.py); a failure after the headers is an error
-event in the provider's in-stream grammar, and a row like any other.
+A streamed request gets its status, headers and opening events at once, keepalive events while the engine
+works, and its reply's events once the row is committed (gateway/streaming.py); a failure after the headers is
+an error event in the provider's in-stream grammar, and a row like any other.
 """
 
 from __future__ import annotations
@@ -19,21 +20,23 @@ import os
 import time
 import uuid
 import weakref
-import importlib
-import importlib.util
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from mitmproxy import ctx, exceptions, http
 
 from polar_mitm import dialects, harnesses, redact, session
-from polar_mitm.engines import make_engine
+from polar_mitm.dialects import CountsTokens, Dialect
+from polar_mitm.engines import ENGINES, make_engine
 from polar_mitm.engines.base import Engine
+from polar_mitm.errors import ConfigError
 from polar_mitm.exchange import Completion, DialectError, EngineError, ParsedRequest, StreamState
+from polar_mitm.gateway import options
 from polar_mitm.gateway.streaming import LoopbackStreams, StreamedReply
-from polar_mitm.run_cli import GATEWAY_FILE
-from polar_mitm.store import Store, now
+from polar_mitm.routing import GATEWAY_FILE
+from polar_mitm.store import ExchangeRow, Store, now
+from polar_mitm.util import load_function
 
 log = logging.getLogger("polar_mitm.gateway")
 
@@ -52,43 +55,7 @@ class PolarAddon:
         self.stream_tasks: set[asyncio.Task[None]] = set()
 
     def load(self, loader: Any) -> None:
-        loader.add_option("polar_upstream", str, "", "The inference engine's OpenAI-compatible base URL, e.g. http://127.0.0.1:8011/v1.")
-        loader.add_option("polar_db", str, "polar.duckdb", "The DuckDB file every exchange is committed to.")
-        loader.add_option("polar_engine", str, "vllm", "The engine kind behind polar_upstream: vllm or sglang.")
-        loader.add_option("polar_engine_model", str, "", "The engine's served model name; empty: discovered from its /models.")
-        loader.add_option(
-            "polar_split_reasoning",
-            bool,
-            False,
-            "Split a leading <think>...</think> out of the engine's content into reasoning, for engines served without a reasoning parser.",
-        )
-        loader.add_option("polar_engine_timeout", float, 600.0, "Seconds to wait for one engine call before answering 504.")
-        loader.add_option(
-            "polar_model_map",
-            Sequence[str],
-            [],
-            "Which requested model names are served, as glob patterns, optionally '=ENGINE_MODEL'. Empty: every name is served by the engine's model; otherwise an unmatched name gets a 404 in the provider's shape.",
-        )
-        loader.add_option("polar_require_auth", bool, False, "Answer 407 to requests without valid session credentials in the proxy URL.")
-        loader.add_option(
-            "polar_passthrough",
-            Sequence[str],
-            [],
-            "Hosts (glob patterns) whose non-model traffic is forwarded to the real network. Empty: every non-model request is answered locally with a 404.",
-        )
-        loader.add_option(
-            "polar_engine_hook",
-            str,
-            "",
-            "A function 'module:name' or 'path/to/file.py:name' called as hook(engine_request, context) before each engine call; it may return a changed request (e.g. sampling params, structured outputs). The row records the request as sent.",
-        )
-        loader.add_option(
-            "polar_keepalive_interval",
-            float,
-            5.0,
-            "Seconds between keepalive events on a streamed reply while the engine works (Anthropic ping, Responses response.in_progress, Chat an empty-delta chunk, Gemini an empty-text chunk). Status, headers and the opening events go out at once either way. 0: no keepalives.",
-        )
-        loader.add_option("polar_sql_port", int, 0, "Loopback port of the read-only SQL endpoint for other processes (0: any free port).")
+        options.declare(loader)  # polar_<name> for each row of gateway/options.py
 
     def configure(self, updated: set[str]) -> None:
         if ctx.options.connection_strategy != "lazy":
@@ -98,8 +65,8 @@ class PolarAddon:
             upstream = ctx.options.polar_upstream
             if upstream and not upstream.startswith(("http://", "https://")):
                 raise exceptions.OptionsError(f"polar_upstream must be an http(s) URL, got {upstream!r}")
-            if ctx.options.polar_engine not in ("vllm", "sglang"):
-                raise exceptions.OptionsError(f"polar_engine must be vllm or sglang, got {ctx.options.polar_engine!r}")
+            if ctx.options.polar_engine not in ENGINES:
+                raise exceptions.OptionsError(f"polar_engine must be one of {', '.join(ENGINES.names())}, got {ctx.options.polar_engine!r}")
             if ctx.options.polar_engine_timeout <= 0:
                 raise exceptions.OptionsError("polar_engine_timeout must be positive")
             self.engine = make_engine(ctx.options.polar_engine, upstream, ctx.options.polar_engine_model or None, ctx.options.polar_engine_timeout, ctx.options.polar_split_reasoning) if upstream else None
@@ -111,7 +78,10 @@ class PolarAddon:
                     raise exceptions.OptionsError(f"polar_model_map entry {entry!r} has no pattern")
                 self.model_map.append((pattern, target or None))
         if "polar_engine_hook" in updated:
-            self.engine_hook = load_hook(ctx.options.polar_engine_hook) if ctx.options.polar_engine_hook else None
+            try:
+                self.engine_hook = load_function(ctx.options.polar_engine_hook) if ctx.options.polar_engine_hook else None
+            except ConfigError as error:
+                raise exceptions.OptionsError(f"polar_engine_hook: {error}") from error
         if "polar_db" in updated or self.store is None:
             if self.store is not None:
                 self.store.close()
@@ -209,7 +179,7 @@ class PolarAddon:
         flow.response = http.Response.make(404, json.dumps(body), {"content-type": "application/json"})
         flow.metadata["polar_local"] = True
 
-    async def _exchange(self, flow: http.HTTPFlow, dialect: Any, path: str) -> None:
+    async def _exchange(self, flow: http.HTTPFlow, dialect: Dialect, path: str) -> None:
         assert self.store is not None
         session_id = flow.metadata.get("polar_session") or session.DEFAULT_SESSION
         headers = list(flow.request.headers.items(multi=True))
@@ -218,7 +188,7 @@ class PolarAddon:
         header_map = {name.lower(): value for name, value in headers}
         user_agent = header_map.get("user-agent")
         raw_body = flow.request.get_content(strict=False) or b""
-        row: dict[str, Any] = {
+        row: ExchangeRow = {
             "exchange_id": str(uuid.uuid4()),
             "session_id": session_id,
             "seq": self.store.next_seq(session_id),
@@ -265,10 +235,11 @@ class PolarAddon:
             status_code, content_type, body, _ = self._error(dialect, DialectError(500, "store_error", f"polar-mitm could not record the exchange: {error}"))
         flow.response = http.Response.make(status_code, body, _reply_headers(content_type, row))
 
-    async def _serve(self, parsed: ParsedRequest, dialect: Any, row: dict[str, Any]) -> tuple[int, str, bytes, Any]:
+    async def _serve(self, parsed: ParsedRequest, dialect: Dialect, row: ExchangeRow) -> tuple[int, str, bytes, Any]:
         engine_model = row["model_engine"] = await self._engine_model(parsed.model)
         if parsed.action == "count_tokens":
             assert self.engine is not None
+            assert isinstance(dialect, CountsTokens), "only a dialect with a count endpoint parses a count_tokens request"
             count_request = self.engine.build_count_request(parsed.chat, engine_model)
             row["engine_request"] = count_request
             row["engine_started_at"] = now()
@@ -285,7 +256,7 @@ class PolarAddon:
             return 200, dialect.STREAM_CONTENT_TYPE, stream, body_json
         return 200, "application/json", json.dumps(body_json, ensure_ascii=False).encode(), body_json
 
-    async def _generate(self, parsed: ParsedRequest, engine_model: str, row: dict[str, Any], timeout: float | None = None) -> Completion:
+    async def _generate(self, parsed: ParsedRequest, engine_model: str, row: ExchangeRow, timeout: float | None = None) -> Completion:
         """The engine call of one exchange, recorded on its row (`timeout`: this call's limit, if not the engine's).
         Whatever it awaits, a streamed reply's keepalives go on meanwhile: a gate that holds calls (a paused
         gateway) belongs here, before `engine.complete`."""
@@ -313,7 +284,7 @@ class PolarAddon:
         )
         return completion
 
-    async def _start_stream(self, flow: http.HTTPFlow, parsed: ParsedRequest, dialect: Any, row: dict[str, Any]) -> None:
+    async def _start_stream(self, flow: http.HTTPFlow, parsed: ParsedRequest, dialect: Dialect, row: ExchangeRow) -> None:
         """Answer a streamed request at once and finish it in a task of its own. What can still fail as an HTTP
         status (no engine, an unserved model) fails here, before the headers."""
         engine_model = row["model_engine"] = await self._engine_model(parsed.model)
@@ -324,7 +295,7 @@ class PolarAddon:
         self.stream_tasks.add(task)
         task.add_done_callback(self.stream_tasks.discard)
 
-    async def _finish_stream(self, flow: http.HTTPFlow, parsed: ParsedRequest, dialect: Any, row: dict[str, Any], engine_model: str, state: StreamState, reply: StreamedReply) -> None:
+    async def _finish_stream(self, flow: http.HTTPFlow, parsed: ParsedRequest, dialect: Dialect, row: ExchangeRow, engine_model: str, state: StreamState, reply: StreamedReply) -> None:
         """Engine call, then the row committed, then the reply's last events (or an in-stream error) sent."""
         assert self.store is not None
         error: DialectError | None = None
@@ -389,7 +360,7 @@ class PolarAddon:
         return await self.engine.discover()
 
     @staticmethod
-    def _error(dialect: Any, error: DialectError) -> tuple[int, str, bytes, Any]:
+    def _error(dialect: Dialect, error: DialectError) -> tuple[int, str, bytes, Any]:
         body_json = dialect.error_body(error)
         return error.status, "application/json", json.dumps(body_json).encode(), body_json
 
@@ -408,7 +379,7 @@ def _unstreamed_timeout(harness: str | None) -> float | None:
     return limit - UNSTREAMED_MARGIN_S
 
 
-def _reply_headers(content_type: str, row: dict[str, Any]) -> dict[str, str]:
+def _reply_headers(content_type: str, row: ExchangeRow) -> dict[str, str]:
     headers = {"content-type": content_type, "x-polar-exchange-id": row["exchange_id"], "x-polar-session-id": row["session_id"]}
     if content_type.startswith("text/event-stream"):
         headers["cache-control"] = "no-cache"
@@ -436,21 +407,3 @@ def _peek_model(body: bytes, path: str) -> str | None:
         return None
     model = data.get("model") if isinstance(data, dict) else None
     return model if isinstance(model, str) else None
-
-
-def load_hook(spec: str) -> Callable[..., Any]:
-    target, sep, name = spec.rpartition(":")
-    if not sep or not target or not name:
-        raise exceptions.OptionsError(f"polar_engine_hook must be 'module:function' or 'file.py:function', got {spec!r}")
-    if target.endswith(".py"):
-        module_spec = importlib.util.spec_from_file_location(f"polar_engine_hook_{abs(hash(target))}", target)
-        if module_spec is None or module_spec.loader is None:
-            raise exceptions.OptionsError(f"cannot load engine hook file {target!r}")
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(target)
-    hook = getattr(module, name, None)
-    if not callable(hook):
-        raise exceptions.OptionsError(f"engine hook {spec!r} is not a function")
-    return hook

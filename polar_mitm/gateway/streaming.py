@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncIterator, Callable
+
 from mitmproxy import http
 
 ROUTE_PREFIX = "/polar-mitm/stream/"
