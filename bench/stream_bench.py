@@ -24,10 +24,11 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run import Service, free_port, percentile  # noqa: E402 - bench/run.py's helpers
+# `python bench/stream_bench.py` puts bench/ first on sys.path; its helpers are imported as the package `bench`
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench.common import ROOT, Service, free_port, percentile  # noqa: E402
+
 REQUESTS = {
     "openai_chat": ("https://api.openai.com/v1/chat/completions", {"model": "gpt-4o", "stream": True, "messages": [{"role": "user", "content": "hi"}]}),
     "openai_responses": ("https://api.openai.com/v1/responses", {"model": "gpt-4o", "stream": True, "input": "hi"}),

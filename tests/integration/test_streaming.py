@@ -189,7 +189,7 @@ KEEPALIVE_PATTERNS = {
 def gateways(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Gateway]]:
     """slow: a 30 s engine, keepalives every second; reference: the same replies at once, no keepalives;
     failing: HTTP 500 after 10 s, keepalives every second."""
-    from tests.support.gatewayproc import free_port
+    from polar_mitm.util import free_port
 
     engines = {"slow": SlowStandinEngine(delay=SLOW), "reference": SlowStandinEngine(delay=0), "failing": SlowStandinEngine(delay=FAIL_AFTER, fail=True)}
     started: dict[str, Gateway] = {}
