@@ -221,9 +221,7 @@ class PolarAddon:
             row.update(status=error.status_class, error=error.message, engine_response=error.engine_body)
             status_code, content_type, body, body_json = self._error(dialect, DialectError(error.http_status, error.status_class, error.message))
         except Exception as error:  # noqa: BLE001 - a bug must still answer in the provider's shape, and be recorded
-            log.exception("polar: internal error")
-            row.update(status="internal_error", error=f"{type(error).__name__}: {error}")
-            status_code, content_type, body, body_json = self._error(dialect, DialectError(500, "internal_error", f"polar-mitm internal error: {type(error).__name__}: {error}"))
+            status_code, content_type, body, body_json = self._error(dialect, _internal_error(row, error))
         if parsed is None and "model_requested" not in row:
             row["model_requested"] = _peek_model(raw_body, path)
         row.update(http_status=status_code, response_body=body_json, ended_at=now())
@@ -305,9 +303,7 @@ class PolarAddon:
             row.update(status=failure.status_class, error=failure.message, engine_response=failure.engine_body)
             error = DialectError(failure.http_status, failure.status_class, failure.message)
         except Exception as failure:  # noqa: BLE001 - recorded and told to the client in its grammar
-            log.exception("polar: internal error")
-            row.update(status="internal_error", error=f"{type(failure).__name__}: {failure}")
-            error = DialectError(500, "internal_error", f"polar-mitm internal error: {type(failure).__name__}: {failure}")
+            error = _internal_error(row, failure)
         sent = reply.hold()
         numbered = state.events
         if error is None:
@@ -315,10 +311,8 @@ class PolarAddon:
                 completion = dataclasses.replace(completion, id=state.id, created=state.created)  # the ids the opening announced
                 body_json = dialect.render_body(parsed, completion)
                 rest = dialect.stream_body(parsed, state, completion)
-            except Exception as failure:  # noqa: BLE001
-                log.exception("polar: internal error")
-                row.update(status="internal_error", error=f"{type(failure).__name__}: {failure}")
-                error = DialectError(500, "internal_error", f"polar-mitm internal error: {type(failure).__name__}: {failure}")
+            except Exception as failure:  # noqa: BLE001 - a rendering bug: told in the stream, recorded
+                error = _internal_error(row, failure)
         if error is not None:
             state.events = numbered
             body_json, rest = dialect.error_body(error), dialect.stream_error(parsed, state, error)
@@ -363,6 +357,13 @@ class PolarAddon:
     def _error(dialect: Dialect, error: DialectError) -> tuple[int, str, bytes, Any]:
         body_json = dialect.error_body(error)
         return error.status, "application/json", json.dumps(body_json).encode(), body_json
+
+
+def _internal_error(row: ExchangeRow, failure: Exception) -> DialectError:
+    """A bug of ours: logged, recorded on the row, and answered in the provider's shape."""
+    log.exception("polar: internal error")
+    row.update(status="internal_error", error=f"{type(failure).__name__}: {failure}")
+    return DialectError(500, "internal_error", f"polar-mitm internal error: {type(failure).__name__}: {failure}")
 
 
 # how much sooner than the harness gives up the gateway answers a non-streamed call it cannot finish
