@@ -48,7 +48,7 @@ def gateway(engine_port: int, work: Path, interval: float) -> Service:
     port = free_port()
     command = [sys.executable, "-m", "polar_mitm.cli", "gateway", "--port", str(port), "--upstream", f"http://127.0.0.1:{engine_port}/v1", "--db", str(work / f"store-{port}.duckdb"), "--confdir", str(work / "confdir"), "--keepalive-interval", str(interval)]
     service = Service("gateway", port, command, work / f"gateway-{port}.log", env={"PYTHONPATH": str(ROOT)}).start()
-    service.wait(60)
+    service.wait(60, ready=(work / "confdir" / "mitmproxy-ca-cert.pem").exists)
     return service
 
 

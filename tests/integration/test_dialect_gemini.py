@@ -478,7 +478,8 @@ def test_split_reasoning_round_trips_through_thought_signature(make_gateway: Any
     # the signature is bytes to the SDK; Google places it on the first functionCall part too
     assert reasoning.unseal(thought.thought_signature.decode()) == steer_gemini.THOUGHT and call.thought_signature == thought.thought_signature
     assert (call.function_call.name, call.function_call.args) == ("get_weather", steer_gemini.forced_arguments())
-    assert len(chunks) == 2  # the thought chunk, then the functionCall chunk
+    content = [chunk for chunk in chunks if not is_keepalive(chunk.model_dump(mode="json", by_alias=True, exclude_none=True))]
+    assert len(content) == 2  # the thought chunk, then the functionCall chunk
 
     # turn 2: the SDK's own Content goes back (it re-encodes the signature's bytes URL-safe), with the result
     result = types.Content(role="user", parts=[types.Part.from_function_response(name="get_weather", response={"temperature_c": 21})])

@@ -269,7 +269,7 @@ def test_mitmdump_with_the_addon_script(tmp_path, engine_url: str, session_id: s
     port = free_port()
     db, confdir = tmp_path / "dump.duckdb", tmp_path / "conf"
     mitmdump = os.path.join(os.path.dirname(sys.executable), "mitmdump")
-    addon = os.path.join(os.path.dirname(__file__), "..", "addons", "polar.py")
+    addon = os.path.join(os.path.dirname(__file__), "..", "..", "addons", "polar.py")
     process = subprocess.Popen(
         [mitmdump, "-q", "--listen-host", "127.0.0.1", "-p", str(port), "--set", f"confdir={confdir}", "-s", addon, "--set", f"polar_upstream={engine_url}", "--set", f"polar_db={db}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
