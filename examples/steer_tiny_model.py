@@ -38,4 +38,4 @@ def steer(request: dict[str, Any], context: dict[str, Any]) -> dict[str, Any]:
         forced = ROUTER_JSON
     else:
         forced = FINAL_TEXT
-    return force(dict(request), forced, max_tokens=200)
+    return force(dict(request), forced)  # the harness's own max_tokens and sampling reach the engine

@@ -30,23 +30,39 @@ class ConfigError(PolarError, ValueError):
 class DialectError(PolarError):
     """A request the gateway refuses; rendered in the shape of the provider the client called."""
 
-    def __init__(self, status: int, kind: str, message: str, param: str | None = None):
+    def __init__(
+        self, status: int, kind: str, message: str, param: str | None = None,
+        prompt_tokens: int | None = None, max_context: int | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.kind = kind
         self.message = message
         self.param = param
+        # kind "context_length_exceeded": the numbers each provider's own message states
+        self.prompt_tokens = prompt_tokens
+        self.max_context = max_context
 
 
 class EngineError(PolarError):
     """The inference engine failed us; `status_class` is what the exchange row records."""
 
-    def __init__(self, status_class: str, message: str, http_status: int, engine_body: Any = None):
+    def __init__(
+        self, status_class: str, message: str, http_status: int, engine_body: Any = None,
+        prompt_tokens: int | None = None, max_context: int | None = None,
+    ):
         super().__init__(message)
         self.status_class = status_class
         self.message = message
         self.http_status = http_status
         self.engine_body = engine_body
+        # status_class "context_length_exceeded": the prompt's length and the engine's context
+        self.prompt_tokens = prompt_tokens
+        self.max_context = max_context
+
+    def for_client(self) -> DialectError:
+        """The error the harness gets, in the shape of the provider it called (the dialect renders it)."""
+        return DialectError(self.http_status, self.status_class, self.message, prompt_tokens=self.prompt_tokens, max_context=self.max_context)
 
 
 class LocalEngineError(PolarError, RuntimeError):

@@ -12,7 +12,7 @@ if [ ! -x .venv/bin/python ]; then
   "$python" -m venv .venv
 fi
 .venv/bin/python -m pip install -q -U pip
-.venv/bin/python -m pip install -q -e '.[test]'
+.venv/bin/python -m pip install -q -e '.[test,notebooks]'
 .venv/bin/polar-mitm engine build
 sandboxes/harnesses/install.sh
 echo "setup: done"

@@ -71,3 +71,23 @@ def debug_store(engine_url: str, tmp_path_factory: pytest.TempPathFactory):
     from tests.support import debug_run
 
     return debug_run.build(engine_url, tmp_path_factory.mktemp("debug_run"))
+
+
+@pytest.fixture(scope="session")
+def readme_store(engine_url: str, tmp_path_factory: pytest.TempPathFactory):
+    """The README's main job, run with `--db hello.duckdb` in a directory of its own (tests/support/user_stores.py)."""
+    from polar_mitm.errors import HarnessNotInstalled
+    from tests.support import user_stores
+
+    try:
+        return user_stores.build_readme_store(engine_url, tmp_path_factory.mktemp("readme_store"))
+    except HarnessNotInstalled as error:
+        pytest.skip(str(error))
+
+
+@pytest.fixture(scope="session")
+def run_store(engine_url: str, tmp_path_factory: pytest.TempPathFactory):
+    """`polar-mitm gateway --db run.duckdb`, two `polar-mitm run` sessions, no task (tests/support/user_stores.py)."""
+    from tests.support import user_stores
+
+    return user_stores.build_run_store(engine_url, tmp_path_factory.mktemp("run_store"))

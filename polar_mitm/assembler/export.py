@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from polar_mitm.assembler.records import Sequence
-from polar_mitm.store import Store, views
+from polar_mitm.store import Store, connect, views
 from polar_mitm.store.schema import TRAJECTORIES as TABLE
 from polar_mitm.store.schema import TRAJECTORIES_SCHEMA as SCHEMA
 
@@ -113,7 +113,7 @@ def store_trajectories(db_path: str | os.PathLike[str] | None, parquet: Path, st
             store_object.execute_write(sql)
         return StoreWrite(True, f"loaded into table {TABLE} of {store_object.path} through the running store's writer")
     try:
-        con = duckdb.connect(str(db_path))
+        con = connect(db_path)
     except duckdb.IOException as error:
         if "lock" not in str(error).lower():
             raise

@@ -79,7 +79,7 @@ class Reader:
         if self.store_object is not None:
             return self.store_object.arrow(sql, params)
         try:
-            con = duckdb.connect(str(self.db_path), read_only=True)
+            con = store.connect(self.db_path, read_only=True)
         except duckdb.IOException:
             return None  # another process (the gateway) holds the file
         try:

@@ -22,6 +22,7 @@ COMMAND_MODULES = [
     "polar_mitm.cli.demo",
     "polar_mitm.cli.assemble",
     "polar_mitm.cli.rollout",
+    "polar_mitm.cli.notebook",
 ]
 
 

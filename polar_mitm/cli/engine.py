@@ -28,6 +28,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     start = add("start", run_start, "start the engine (or reuse a live one) and print its base URL")
     start.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the engine to answer")
     start.add_argument("--foreground", action="store_true", help="stay attached; Ctrl-C stops the engine")
+    start.add_argument("--max-model-len", type=int, default=None, help="serve with a shorter context (default: the model's; qwen3-tiny 65536)")
     add("stop", run_stop, "stop the engine on --port", with_model=False)
     add("status", run_status, "show whether an engine runs on --port (exit 1 if not)", with_model=False)
 
@@ -39,8 +40,8 @@ def run_build(args: argparse.Namespace) -> int:
 
 
 def run_start(args: argparse.Namespace) -> int:
-    engine = LocalEngine(model=args.model, port=args.port, home=args.home)
     try:
+        engine = LocalEngine(model=args.model, port=args.port, home=args.home, max_model_len=args.max_model_len)
         print(engine.start(timeout=args.timeout), flush=True)
     except EngineError as e:
         print(f"error: {e}", file=sys.stderr)

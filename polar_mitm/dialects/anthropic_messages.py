@@ -519,6 +519,9 @@ def render_count_tokens(parsed: ParsedRequest, count: int) -> dict[str, Any]:
 
 def error_body(error: DialectError) -> dict[str, Any]:
     kind = ERROR_TYPES.get(error.status, "api_error" if error.status >= 500 else "invalid_request_error")
+    if error.kind == "context_length_exceeded" and error.max_context:
+        # Anthropic's wording, which Claude Code matches to offer compaction
+        return {"type": "error", "error": {"type": kind, "message": f"prompt is too long: {error.prompt_tokens} tokens > {error.max_context} maximum"}}
     return {"type": "error", "error": {"type": kind, "message": error.message}}
 
 

@@ -638,6 +638,9 @@ def render_count_tokens(parsed: ParsedRequest, count: int) -> dict[str, Any]:
 
 def error_body(error: DialectError) -> dict[str, Any]:
     status = ERROR_STATUS.get(error.status, "INTERNAL" if error.status >= 500 else "INVALID_ARGUMENT")
+    if error.kind == "context_length_exceeded" and error.max_context:
+        message = f"The input token count ({error.prompt_tokens}) exceeds the maximum number of tokens allowed ({error.max_context})."
+        return {"error": {"code": error.status, "message": message, "status": status}}
     return {"error": {"code": error.status, "message": error.message, "status": status}}
 
 

@@ -173,6 +173,13 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
 def error_body(error: DialectError) -> dict[str, Any]:
     code = error.kind if error.kind not in ERROR_TYPES.values() else None
     kind = ERROR_TYPES.get(error.status, "server_error" if error.status >= 500 else "invalid_request_error")
+    if error.kind == "context_length_exceeded" and error.max_context:
+        # OpenAI's own wording and code; clients (and harnesses that compact) key on code context_length_exceeded
+        message = (
+            f"This model's maximum context length is {error.max_context} tokens. However, your messages resulted in "
+            f"{error.prompt_tokens} tokens. Please reduce the length of the messages."
+        )
+        return {"error": {"message": message, "type": kind, "param": "messages", "code": code}}
     return {"error": {"message": error.message, "type": kind, "param": error.param, "code": code}}
 
 

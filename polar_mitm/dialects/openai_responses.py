@@ -14,10 +14,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from polar_mitm.dialects import openai_chat
 from polar_mitm.dialects import reasoning as reasoning_carrier
 from polar_mitm.dialects._api import Reply
 from polar_mitm.dialects.common import SSEEvent, expect, load_json_object, sse
-from polar_mitm.dialects.openai_chat import error_body  # noqa: F401 - same provider, same error shape
 from polar_mitm.exchange import Completion, DialectError, Notes, ParsedRequest, StreamState
 
 API = "openai_responses"
@@ -715,10 +715,13 @@ def stream_body(parsed: ParsedRequest, state: StreamState, completion: Completio
 
 
 def stream_error(parsed: ParsedRequest, state: StreamState, error: DialectError) -> bytes:
-    """response.failed with the error (code `server_error`: only engine and gateway failures happen mid-stream)."""
+    """response.failed with the error: code `context_length_exceeded` for a prompt over the engine's context (Codex
+    keys on it), else `server_error` (what else fails mid-stream is the engine or the gateway)."""
     events = _Events(state)
     failed = _envelope(parsed, state.id, state.created)
-    failed.update(status="failed", error={"code": "server_error", "message": error.message})
+    body = error_body(error)["error"]
+    code = "context_length_exceeded" if body.get("code") == "context_length_exceeded" else "server_error"
+    failed.update(status="failed", error={"code": code, "message": body["message"]})
     events.emit("response.failed", response=failed)
     return events.bytes()
 
@@ -787,3 +790,14 @@ def parse_reply_stream(events: list[SSEEvent]) -> Reply:
         if (name or data.get("type")) in ("response.completed", "response.incomplete", "response.failed"):
             return parse_reply(data.get("response") or {})
     return Reply(error="the stream has no response.completed event")
+
+
+def error_body(error: DialectError) -> dict[str, Any]:
+    """OpenAI's error shape, as Chat Completions has it; a prompt over the context in the Responses API's words."""
+    if error.kind == "context_length_exceeded" and error.max_context:
+        message = (
+            f"Your input exceeds the context window of this model ({error.prompt_tokens} tokens > {error.max_context}). "
+            "Please adjust your input and try again."
+        )
+        return {"error": {"message": message, "type": "invalid_request_error", "param": "input", "code": "context_length_exceeded"}}
+    return openai_chat.error_body(error)

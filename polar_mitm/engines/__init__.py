@@ -18,6 +18,9 @@ ENGINES: Registry[type[Engine]] = Registry(
 )
 
 
-def make_engine(kind: str, base_url: str, served_model: str | None = None, timeout: float = 600.0, split_reasoning: bool = False) -> Engine:
+def make_engine(
+    kind: str, base_url: str, served_model: str | None = None, timeout: float = 600.0, split_reasoning: bool = False,
+    max_model_len: int | None = None,
+) -> Engine:
     """A client of the `kind` engine (a name in ENGINES) at `base_url`; raises ConfigError for an unknown kind."""
-    return ENGINES.get(kind)(base_url, served_model, timeout, split_reasoning)
+    return ENGINES.get(kind)(base_url, served_model, timeout, split_reasoning, max_model_len)

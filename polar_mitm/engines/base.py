@@ -10,7 +10,10 @@ from typing import Any
 import aiohttp
 import orjson
 
-from polar_mitm.exchange import Completion, EngineError, ToolCall
+from polar_mitm.exchange import Completion, EngineError, Notes, ToolCall
+
+# how each engine request spells the output budget (every dialect maps its own spelling onto these)
+BUDGET_KEYS = ("max_tokens", "max_completion_tokens")
 
 
 class WireJSON(dict):
@@ -121,7 +124,10 @@ def _decode_with_lazy_prompt_ids(text: str) -> WireJSON | None:
 class Engine:
     kind = "openai"
 
-    def __init__(self, base_url: str, served_model: str | None = None, timeout: float = 600.0, split_reasoning: bool = False):
+    def __init__(
+        self, base_url: str, served_model: str | None = None, timeout: float = 600.0, split_reasoning: bool = False,
+        max_model_len: int | None = None,
+    ):
         # engines served without a reasoning parser return `<think>...</think>` inline in content
         self.split_reasoning = split_reasoning
         self.base_url = base_url.rstrip("/")
@@ -132,7 +138,9 @@ class Engine:
         # aiohttp, not httpx: at 32 concurrent exchanges httpx's connection pool spent ~1.9 ms of CPU per request
         # (it scans every pooled connection for each one), aiohttp ~0.1 ms; bench/run.py measures the difference
         self.client: aiohttp.ClientSession | None = None
-        self.max_model_len: int | None = None
+        # the engine's context length (prompt + output), configured or read from /models; None: unknown
+        self.max_model_len: int | None = max_model_len
+        self._models_read = False
 
     async def close(self) -> None:
         if self.client is not None:
@@ -149,15 +157,29 @@ class Engine:
         return self.client
 
     async def discover(self) -> str:
-        """The engine's own model name (from /models), unless one was configured."""
-        if self.served_model:
+        """The engine's own model name (from /models, unless one was configured) and its context length.
+
+        vLLM and SGLang report `max_model_len` per model in /models; a configured value wins. With a configured
+        model name /models is still read once for the length, but an engine without it is no error.
+        """
+        if self.served_model and (self.max_model_len is not None or self._models_read):
             return self.served_model
-        response = await self._send("GET", "/models")
+        try:
+            response = await self._send("GET", "/models")
+        except EngineError:
+            if self.served_model:
+                self._models_read = True
+                return self.served_model
+            raise
+        self._models_read = True
         models = response.get("data") or []
-        if not models:
-            raise EngineError("engine_error", "the engine serves no model", 502, response)
-        self.served_model = models[0]["id"]
-        self.max_model_len = models[0].get("max_model_len")
+        if not self.served_model:
+            if not models:
+                raise EngineError("engine_error", "the engine serves no model", 502, response)
+            self.served_model = models[0]["id"]
+        served = next((m for m in models if isinstance(m, dict) and m.get("id") == self.served_model), None)
+        if self.max_model_len is None and served and isinstance(served.get("max_model_len"), int):
+            self.max_model_len = served["max_model_len"]
         return self.served_model
 
     def build_request(self, chat: dict[str, Any], model: str) -> dict[str, Any]:
@@ -174,21 +196,67 @@ class Engine:
     def token_id_fields(self) -> dict[str, Any]:
         return {}
 
-    async def complete(self, engine_request: dict[str, Any], timeout: float | None = None) -> tuple[dict[str, Any], dict[str, Any], Completion]:
+    async def complete(self, engine_request: dict[str, Any], notes: Notes | None = None, timeout: float | None = None) -> tuple[dict[str, Any], dict[str, Any], Completion]:
         """One engine call: (the request as finally sent, the engine's raw reply, the parsed completion). `timeout`:
-        seconds for this call instead of the engine's own."""
+        seconds for this call instead of the engine's own.
+
+        The output budget is fitted to the engine's context, never refused: harnesses ask for what their provider
+        allows (Claude Code 128000, Qwen Code 32768), training engines often serve 32k-64k. The harness gets
+        min(requested, max_model_len - prompt_tokens), the most the engine can sample, and `notes` records the
+        requested and the granted value. A budget at or above max_model_len is left out of the request: the
+        engine then samples up to the room left, which is exactly that minimum, with no extra call. A budget
+        below it that still overflows with the prompt is sampled up to the context's end by vLLM 0.32; an engine
+        that rejects it instead gets the prompt counted and the call made once more with the room left. A prompt
+        that alone fills the context raises `context_length_exceeded`, which each dialect answers in its
+        provider's own shape.
+        """
+        limit = self.max_model_len
+        requested = {key: engine_request[key] for key in BUDGET_KEYS if isinstance(engine_request.get(key), int)}
+        fitted = dict(engine_request)
+        for key, value in requested.items():
+            if limit is not None and value >= limit:
+                del fitted[key]
         # encoded once: the same text is sent and recorded
-        engine_request = WireJSON(engine_request)
+        sent = WireJSON(fitted) if fitted != engine_request or not isinstance(engine_request, WireJSON) else engine_request
         try:
-            raw = await self._send("POST", "/chat/completions", engine_request, timeout=timeout)
+            raw = await self._send("POST", "/chat/completions", sent, timeout=timeout)
         except EngineError as error:
-            if not (error.status_class == "engine_rejected" and _is_context_length_error(error) and _has_max_tokens(engine_request)):
+            if error.status_class != "engine_rejected" or limit is None:
                 raise
-            # harnesses ask for more output tokens than a small engine's context holds; without a limit the engine
-            # samples up to the room left, which is min(requested, room): the same request, answered
-            engine_request = WireJSON({k: v for k, v in engine_request.items() if k not in ("max_tokens", "max_completion_tokens")})
-            raw = await self._send("POST", "/chat/completions", engine_request, timeout=timeout)
-        return engine_request, raw, self.parse_completion(raw)
+            prompt_tokens = await self._prompt_tokens(sent)
+            if prompt_tokens is None:
+                raise
+            if prompt_tokens >= limit:
+                raise EngineError(
+                    "context_length_exceeded",
+                    f"the prompt has {prompt_tokens} tokens; the engine's context holds {limit}",
+                    400, error.engine_body, prompt_tokens=prompt_tokens, max_context=limit,
+                ) from error
+            room = limit - prompt_tokens
+            if not any(isinstance(sent.get(key), int) and sent[key] > room for key in BUDGET_KEYS):
+                raise  # rejected for another reason
+            sent = WireJSON({**sent, **{key: min(sent[key], room) for key in BUDGET_KEYS if isinstance(sent.get(key), int)}})
+            raw = await self._send("POST", "/chat/completions", sent, timeout=timeout)
+        completion = self.parse_completion(raw)
+        if notes is not None and limit is not None:
+            room = limit - completion.prompt_tokens
+            for key, value in requested.items():
+                # what the engine could sample: vLLM 0.32 accepts a budget that overflows with the prompt and
+                # stops at the context's end, so the room left bounds it whatever the request said
+                granted = min(sent[key], room) if isinstance(sent.get(key), int) else room
+                if granted < value:
+                    notes.normalize(
+                        f"{key} {value} -> {granted}: the engine's context is {limit} tokens and the prompt "
+                        f"{completion.prompt_tokens}"
+                    )
+        return sent, raw, completion
+
+    async def _prompt_tokens(self, engine_request: dict[str, Any]) -> int | None:
+        """The rendered prompt's length, or None when the engine cannot tell (counting refused too)."""
+        try:
+            return await self.count_tokens(self.build_count_request(engine_request, engine_request.get("model") or ""))
+        except EngineError:
+            return None
 
     def build_count_request(self, chat: dict[str, Any], model: str) -> dict[str, Any]:
         """The exact body count_tokens sends for this prompt (recorded as the row's engine_request)."""
@@ -282,15 +350,6 @@ def split_think(content: str) -> tuple[str | None, str | None]:
         return content, None
     inner, _, rest = stripped[len("<think>"):].partition("</think>")
     return rest.lstrip("\n") or None, inner.strip("\n")
-
-
-def _has_max_tokens(request: dict[str, Any]) -> bool:
-    return request.get("max_tokens") is not None or request.get("max_completion_tokens") is not None
-
-
-def _is_context_length_error(error: EngineError) -> bool:
-    text = error.message.lower()
-    return "context length" in text or "max_tokens" in text and "too large" in text or "maximum context" in text
 
 
 def _engine_message(payload: Any) -> str:

@@ -61,7 +61,8 @@ class PolarAddon:
         if ctx.options.connection_strategy != "lazy":
             # eager would resolve provider hostnames on CONNECT, before any hook; offline that is a 502
             ctx.options.connection_strategy = "lazy"
-        if "polar_upstream" in updated or "polar_engine" in updated or "polar_engine_model" in updated or "polar_engine_timeout" in updated or "polar_split_reasoning" in updated:
+        engine_options = ("polar_upstream", "polar_engine", "polar_engine_model", "polar_engine_timeout", "polar_split_reasoning", "polar_engine_max_model_len")
+        if updated.intersection(engine_options):
             upstream = ctx.options.polar_upstream
             if upstream and not upstream.startswith(("http://", "https://")):
                 raise exceptions.OptionsError(f"polar_upstream must be an http(s) URL, got {upstream!r}")
@@ -69,7 +70,12 @@ class PolarAddon:
                 raise exceptions.OptionsError(f"polar_engine must be one of {', '.join(ENGINES.names())}, got {ctx.options.polar_engine!r}")
             if ctx.options.polar_engine_timeout <= 0:
                 raise exceptions.OptionsError("polar_engine_timeout must be positive")
-            self.engine = make_engine(ctx.options.polar_engine, upstream, ctx.options.polar_engine_model or None, ctx.options.polar_engine_timeout, ctx.options.polar_split_reasoning) if upstream else None
+            if ctx.options.polar_engine_max_model_len < 0:
+                raise exceptions.OptionsError("polar_engine_max_model_len must be 0 (from /models) or positive")
+            self.engine = make_engine(
+                ctx.options.polar_engine, upstream, ctx.options.polar_engine_model or None, ctx.options.polar_engine_timeout,
+                ctx.options.polar_split_reasoning, ctx.options.polar_engine_max_model_len or None,
+            ) if upstream else None
         if "polar_model_map" in updated:
             self.model_map = []
             for entry in ctx.options.polar_model_map:
@@ -219,7 +225,7 @@ class PolarAddon:
             status_code, content_type, body, body_json = self._error(dialect, error)
         except EngineError as error:
             row.update(status=error.status_class, error=error.message, engine_response=error.engine_body)
-            status_code, content_type, body, body_json = self._error(dialect, DialectError(error.http_status, error.status_class, error.message))
+            status_code, content_type, body, body_json = self._error(dialect, error.for_client())
         except Exception as error:  # noqa: BLE001 - a bug must still answer in the provider's shape, and be recorded
             status_code, content_type, body, body_json = self._error(dialect, _internal_error(row, error))
         if parsed is None and "model_requested" not in row:
@@ -266,7 +272,7 @@ class PolarAddon:
         row["engine_request"] = engine_request
         row["engine_started_at"] = now()
         try:
-            sent, raw, completion = await self.engine.complete(engine_request, timeout)
+            sent, raw, completion = await self.engine.complete(engine_request, parsed.notes, timeout)
         finally:
             row["engine_ended_at"] = now()
         row.update(
@@ -301,7 +307,7 @@ class PolarAddon:
             completion = await self._generate(parsed, engine_model, row)
         except EngineError as failure:
             row.update(status=failure.status_class, error=failure.message, engine_response=failure.engine_body)
-            error = DialectError(failure.http_status, failure.status_class, failure.message)
+            error = failure.for_client()
         except Exception as failure:  # noqa: BLE001 - recorded and told to the client in its grammar
             error = _internal_error(row, failure)
         sent = reply.hold()

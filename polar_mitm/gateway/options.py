@@ -72,6 +72,12 @@ OPTIONS: tuple[Option, ...] = (
         "engine's served model name (default: discovered from /models)",
     ),
     Option(
+        "engine_max_model_len", int, 0,
+        "The engine's context length (prompt + output tokens); 0: read from the engine's /models (vLLM and SGLang report it). "
+        "Output budgets are fitted to it, and a prompt that alone exceeds it gets the provider's context-length error.",
+        "engine context length (default 0: from /models)",
+    ),
+    Option(
         "engine_timeout", float, 600.0,
         "Seconds to wait for one engine call before answering 504 (inside the stream, for a streamed call). A non-streamed "
         "call from a harness known to give up sooner gets until 5 s before that harness's limit.",

@@ -40,10 +40,17 @@ class EngineRecord:
 
 
 class LocalEngine:
-    def __init__(self, model: str = build.DEFAULT_MODEL, port: int = DEFAULT_PORT, home: str | os.PathLike | None = None):
+    def __init__(
+        self, model: str = build.DEFAULT_MODEL, port: int = DEFAULT_PORT, home: str | os.PathLike | None = None,
+        max_model_len: int | None = None,
+    ):
         if model not in build.MAX_MODEL_LEN:
             raise EngineError(f"unknown model {model!r}; choose one of {', '.join(build.MAX_MODEL_LEN)}")
+        if max_model_len is not None and not 0 < max_model_len <= build.MAX_MODEL_LEN[model]:
+            raise EngineError(f"--max-model-len must be between 1 and {build.MAX_MODEL_LEN[model]} for {model}")
         self.model = model
+        # the context the engine is served with; a smaller one than the model's is what GPU deployments often run
+        self.max_model_len = max_model_len or build.MAX_MODEL_LEN[model]
         self.port = port
         self.home = build.engine_home(home)
         self.base_url = f"http://{HOST}:{port}/v1"
@@ -89,7 +96,7 @@ class LocalEngine:
             "--port", str(self.port),
             "--served-model-name", self.model,
             "--dtype", "bfloat16",
-            "--max-model-len", str(build.MAX_MODEL_LEN[self.model]),
+            "--max-model-len", str(self.max_model_len),
             "--enforce-eager",  # start-up ~25 s instead of ~100 s of torch.compile
             "--enable-auto-tool-choice",
             "--tool-call-parser", "hermes",

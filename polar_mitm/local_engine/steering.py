@@ -40,13 +40,21 @@ def shell_call(tool: str, command: str) -> str:
     return "<tool_call>\n" + json.dumps({"name": tool, "arguments": {SHELL_TOOLS[tool]: command}}) + "\n</tool_call>"
 
 
-def force(request: dict[str, Any], text: str, max_tokens: int) -> dict[str, Any]:
-    """The request, constrained to answer exactly `text` (greedy)."""
+def force(request: dict[str, Any], text: str, max_tokens: int | None = None, greedy: bool = False) -> dict[str, Any]:
+    """The request, constrained to answer exactly `text`; the harness's own output budget and sampling stay.
+
+    The regex ends the sample by itself (only end-of-text is allowed once `text` is complete), so no cap is
+    needed. Sampling at the harness's temperature picks among the token sequences that spell `text`, so the
+    ids can be non-canonical, as a real policy's can. `max_tokens` / `greedy` only for a hook that needs them
+    (tests/support/debug_steer.py wants canonical greedy tokens for its break diagnoses).
+    """
     if text.startswith("<tool_call>"):
         request["tool_choice"] = "auto"  # the hermes parser only runs under auto
     if text == ROUTER_JSON:
         request.pop("response_format", None)  # the regex is the stricter constraint; vLLM takes one
     request["structured_outputs"] = {"regex": literal(text)}
-    request["temperature"] = 0
-    request["max_tokens"] = max_tokens
+    if greedy:
+        request["temperature"] = 0
+    if max_tokens is not None:
+        request["max_tokens"] = max_tokens
     return request

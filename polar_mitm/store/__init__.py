@@ -3,7 +3,8 @@
 Modules, bottom up (each imports only those above it in this list, and nothing of polar_mitm outside the store):
     schema     the contract: exchange and session columns, ExchangeRow, MATERIAL, the trajectories schema
     records    journal records: how a row is written into a journal table and read back typed
-    segments   Parquet segments, the `exchanges` view over journals and segments, compaction steps, migration
+    segments   Parquet segments, the `exchanges` view over journals and segments, compaction steps, migration,
+               connect(): open a store file so its view finds the segments from any working directory
     control    the loopback read-only SQL endpoint a gateway serves, and its control file
     client     query() / query_dicts(): read a store from any process (directly, or through its gateway)
     views      the documented SQL views (session_timeline, token_usage, breaks, ...)
@@ -47,6 +48,7 @@ from polar_mitm.store.segments import (
     SEGMENT_SELECT,
     SEGMENTS_TABLE,
     add_segment,
+    connect,
     ensure_schema,
     exchanges_view_sql,
     segment_file,
@@ -83,6 +85,7 @@ __all__ = [
     "Store",
     "add_segment",
     "check_read_only",
+    "connect",
     "control_file",
     "ensure_schema",
     "exchanges_view_sql",

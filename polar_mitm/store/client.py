@@ -1,7 +1,8 @@
 """Reading a store from any process: `query` and `query_dicts`.
 
 When a gateway holds the store (its control file names a live process), the SQL goes to the gateway's loopback
-endpoint, checked read-only here first; otherwise the file is opened read-only directly.
+endpoint, checked read-only here first; otherwise the file is opened read-only directly (segments.connect: from
+any working directory).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import duckdb
 
 from polar_mitm.store.control import check_read_only, control_file
+from polar_mitm.store.segments import connect
 
 
 def query(db_path: str | os.PathLike[str], sql: str, params: list[Any] | None = None, timeout: float = 60) -> tuple[list[str], list[list[Any]]]:
@@ -37,7 +39,7 @@ def query(db_path: str | os.PathLike[str], sql: str, params: list[Any] | None = 
     deadline = time.monotonic() + timeout
     while True:
         try:
-            con = duckdb.connect(str(path), read_only=True)
+            con = connect(path, read_only=True)
             break
         except duckdb.IOException:
             # the gateway may be starting: its control file appears right after it opens the store

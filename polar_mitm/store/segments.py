@@ -7,11 +7,20 @@ Layout. `exchanges` is a view over two kinds of storage, with the contract's col
   there: DuckDB writes a list column's whole uncheckpointed data into the WAL again on every commit (measured
   on 1.3 to 2.0: the Nth single-row commit of a 14k-id array logs N x 56 KB), which made each commit slower
   than the last until a checkpoint; a JSON record is logged once.
-- segments (`<db>.segments/NNNNNN.parquet`, listed in `exchange_segments`): immutable Parquet files with
-  INTEGER[] / DOUBLE[] columns. When a journal reaches `segment_rows` rows the writer starts a new one, and a
+- segments (`<db>.segments/NNNNNN-<random>.parquet`, listed in `exchange_segments`): immutable Parquet files
+  with INTEGER[] / DOUBLE[] columns. When a journal reaches `segment_rows` rows the writer starts a new one, and a
   compactor thread copies the full journal into a segment (fsynced, then renamed), after which the writer drops
   the journal and re-points the view in one transaction. A crash at any point leaves either the journal or the
   segment registered, never both and never neither; leftover journals are compacted when the store reopens.
+
+Where the view finds its segments. The view names each segment relative to the folder that holds the database
+file (`hello.duckdb.segments/000001-….parquet`), so the store (the file and its segments folder) can be moved or
+copied as a whole and still opens. DuckDB resolves a relative path against the reading process's working
+directory first and then each folder of its `file_search_path` setting (a view cannot name its own database's
+folder: table-function arguments must be constants), so every connection the project opens sets that setting to
+the store's folder (`connect`); another tool opening the file sets it too, or runs in the store's folder. The
+random part of each segment's name keeps a reader whose working directory holds another store's segments
+folder of the same name from reading that one's files: a name is only ever one file's.
 
 This module holds the steps (write a segment, register it, re-point the view, migrate schema 1); the writer
 (polar_mitm.store.writer) decides when they run and on which thread.
@@ -21,6 +30,8 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import secrets
 import time
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
@@ -29,6 +40,7 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
+from polar_mitm.errors import ConfigError
 from polar_mitm.store.records import JOURNAL_SELECT, journal_source, journal_table
 from polar_mitm.store.schema import (
     EXCHANGE_COLUMNS,
@@ -48,6 +60,26 @@ def segments_dir(db_path: str | os.PathLike[str]) -> Path:
     return Path(str(db_path) + ".segments")
 
 
+def store_folder(db_path: str | os.PathLike[str]) -> Path:
+    """The absolute folder that holds the database file: what the view's segment paths are relative to."""
+    return Path(os.path.abspath(db_path)).parent
+
+
+def connect(db_path: str | os.PathLike[str], read_only: bool = False) -> duckdb.DuckDBPyConnection:
+    """Open a store's DuckDB file so that its `exchanges` view finds the segments, whatever the working directory.
+
+    Sets DuckDB's `file_search_path` to the store's folder for the whole database instance (SET GLOBAL, not a
+    connect-time config: DuckDB refuses a second connection to a file with a config that differs from the first).
+    """
+    folder = store_folder(db_path)
+    if "," in str(folder):
+        # file_search_path is a comma-separated list, with no quoting
+        raise ConfigError(f"--db {db_path}: a store's folder cannot contain a comma (DuckDB's file_search_path splits on commas): {folder}")
+    con = duckdb.connect(str(db_path), read_only=read_only)
+    con.execute("SET GLOBAL file_search_path = ?", [str(folder)])
+    return con
+
+
 def contract_select(present: Collection[str] | None = None) -> str:
     """Every exchange column with its contract type; those not in `present` (when given) as typed NULLs."""
     return ", ".join(
@@ -59,17 +91,45 @@ SEGMENT_SELECT = contract_select()
 
 
 def segment_file(number: int) -> str:
-    return f"{number:06d}.parquet"
+    """A new segment's file name: its number, then a random part that no other segment file has (see the top)."""
+    return f"{number:06d}-{secrets.token_hex(8)}.parquet"
 
 
-def register_segment(con: duckdb.DuckDBPyConnection, number: int, rows: int) -> None:
-    con.execute(f"INSERT INTO {SEGMENTS_TABLE} VALUES (?, ?, ?, ?)", [number, segment_file(number), rows, now()])
+# segment files a writer made (v2's NNNNNN.parquet too), and their temporary names
+_SEGMENT_NAME = re.compile(r"\d{6}(-[0-9a-f]{16})?\.parquet(\.tmp)?")
 
 
-def exchanges_view_sql(segment_files: list[Path], journals: list[int]) -> str:
+def view_path(db_path: str | os.PathLike[str], file: str) -> str:
+    """How the view names a segment file: relative to the store's folder (`<db name>.segments/<file>`)."""
+    return f"{segments_dir(Path(db_path).name)}/{file}"
+
+
+def register_segment(con: duckdb.DuckDBPyConnection, number: int, file: str, rows: int) -> None:
+    con.execute(f"INSERT INTO {SEGMENTS_TABLE} VALUES (?, ?, ?, ?)", [number, file, rows, now()])
+
+
+def listed_segments(con: duckdb.DuckDBPyConnection) -> list[str]:
+    """The segment files of the store, in segment order."""
+    return [file for (file,) in con.execute(f"SELECT file FROM {SEGMENTS_TABLE} ORDER BY segment").fetchall()]
+
+
+def remove_unlisted_segments(con: duckdb.DuckDBPyConnection, directory: Path) -> list[str]:
+    """Delete segment files no segment lists (a compaction a crash cut short); only the writer may call this."""
+    listed = set(listed_segments(con))
+    removed = []
+    if directory.is_dir():
+        for path in sorted(directory.iterdir()):
+            if _SEGMENT_NAME.fullmatch(path.name) and path.name not in listed:
+                path.unlink()
+                removed.append(path.name)
+    return removed
+
+
+def exchanges_view_sql(segment_paths: list[str], journals: list[int]) -> str:
+    """The view over these segments (as view_path names them) and journals."""
     parts = []
-    if segment_files:
-        files = ", ".join(quote(str(path)) for path in segment_files)
+    if segment_paths:
+        files = ", ".join(quote(path) for path in segment_paths)
         # union_by_name: segments written before a column was added read it as NULL
         parts.append(f"SELECT {SEGMENT_SELECT} FROM read_parquet([{files}], union_by_name = true)")
     parts += [f"SELECT {JOURNAL_SELECT} FROM {journal_source(number)}" for number in journals]
@@ -96,34 +156,38 @@ def ensure_schema(con: duckdb.DuckDBPyConnection) -> None:
     con.execute("CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR)")
 
 
-def write_view(con: duckdb.DuckDBPyConnection, segment_files: list[Path], journals: list[int]) -> None:
-    con.execute(exchanges_view_sql(segment_files, journals))
+def write_view(con: duckdb.DuckDBPyConnection, db_path: str | os.PathLike[str], segment_files: list[str], journals: list[int]) -> None:
+    con.execute(exchanges_view_sql([view_path(db_path, file) for file in segment_files], journals))
     con.execute(f"COMMENT ON VIEW exchanges IS {quote(EXCHANGES_DOC)}")
 
 
-def write_segment(con: duckdb.DuckDBPyConnection, number: int, directory: Path) -> int:
-    """Copy journal `number` (no longer written to) into its Parquet segment; returns the rows copied."""
+def write_segment(con: duckdb.DuckDBPyConnection, number: int, directory: Path) -> tuple[str | None, int]:
+    """Copy journal `number` (no longer written to) into a new Parquet segment; returns its file (None when the
+    journal was empty) and the rows copied."""
     rows = con.execute(f"SELECT count(*) FROM {journal_table(number)}").fetchall()[0][0]
-    if rows:
-        write_parquet(con, f"SELECT {JOURNAL_SELECT} FROM {journal_source(number)}", directory / segment_file(number))
-    return rows
+    if not rows:
+        return None, 0
+    file = segment_file(number)
+    write_parquet(con, f"SELECT {JOURNAL_SELECT} FROM {journal_source(number)}", directory / file)
+    return file, rows
 
 
-def migrate_v1(con: duckdb.DuckDBPyConnection, directory: Path) -> Path | None:
-    """Schema 1 kept `exchanges` as a table: it becomes the next segment (returned; None if there was nothing)."""
+def migrate_v1(con: duckdb.DuckDBPyConnection, directory: Path) -> str | None:
+    """Schema 1 kept `exchanges` as a table: it becomes the next segment (its file returned; None if it was empty)."""
     is_table = con.execute("SELECT count(*) FROM duckdb_tables() WHERE schema_name = 'main' AND table_name = 'exchanges'").fetchall()[0][0]
     if not is_table:
         return None
     number = next_segment(con)
     rows = con.execute("SELECT count(*) FROM exchanges").fetchall()[0][0]
-    if rows:
+    file = segment_file(number) if rows else None
+    if file is not None:
         columns = {r[0] for r in con.execute("SELECT column_name FROM information_schema.columns WHERE table_name = 'exchanges'").fetchall()}
-        write_parquet(con, f"SELECT {contract_select(columns)} FROM exchanges", directory / segment_file(number))
+        write_parquet(con, f"SELECT {contract_select(columns)} FROM exchanges", directory / file)
     with transaction(con):
-        if rows:
-            register_segment(con, number, rows)
+        if file is not None:
+            register_segment(con, number, file, rows)
         con.execute("DROP TABLE exchanges")
-    return directory / segment_file(number) if rows else None
+    return file
 
 
 def write_parquet(con: duckdb.DuckDBPyConnection, select: str, path: Path) -> None:
@@ -160,12 +224,13 @@ def checkpoint_soon(con: duckdb.DuckDBPyConnection, attempts: int = 2000) -> boo
 def add_segment(con: duckdb.DuckDBPyConnection, db_path: str | os.PathLike[str], rows: pa.Table) -> None:
     """Bulk-load exchange rows (an Arrow table, any subset of the columns) as a segment of a store no Store has open."""
     number = next_segment(con)
+    file = segment_file(number)
     con.register("polar_bulk_rows", rows)
     try:
-        write_parquet(con, f"SELECT {contract_select(rows.column_names)} FROM polar_bulk_rows", segments_dir(db_path) / segment_file(number))
+        write_parquet(con, f"SELECT {contract_select(rows.column_names)} FROM polar_bulk_rows", segments_dir(db_path) / file)
     finally:
         con.unregister("polar_bulk_rows")
-    register_segment(con, number, rows.num_rows)
+    register_segment(con, number, file, rows.num_rows)
 
 
 def next_segment(con: duckdb.DuckDBPyConnection) -> int:

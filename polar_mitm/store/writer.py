@@ -40,12 +40,14 @@ from polar_mitm.store.schema import (
     now,
 )
 from polar_mitm.store.segments import (
-    SEGMENTS_TABLE,
     checkpoint_soon,
+    connect,
     ensure_schema,
+    listed_segments,
     migrate_v1,
+    next_segment,
     register_segment,
-    segment_file,
+    remove_unlisted_segments,
     segments_dir,
     tables,
     transaction,
@@ -102,7 +104,7 @@ class Store:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.segments_dir = segments_dir(self.path)
         self.segment_rows = segment_rows
-        self.con = duckdb.connect(str(self.path))
+        self.con = connect(self.path)
         # Checkpoints are the compactor's, right after it drops a journal (when there is least to write); the
         # automatic ones, which would stall a commit, only if the WAL grows past 1 GB. DuckDB's default would also
         # checkpoint instead of logging any commit over 100 KB, i.e. every exchange.
@@ -111,18 +113,18 @@ class Store:
         # every statement on the hot path is one small insert; parallel scans would only compete with the proxy
         self.con.execute("SET threads = 1")
         ensure_schema(self.con)
-        self._segments: list[Path] = [self.segments_dir / file for (file,) in self.con.execute(f"SELECT file FROM {SEGMENTS_TABLE} ORDER BY segment").fetchall()]
-        migrated = migrate_v1(self.con, self.segments_dir)
-        if migrated is not None:
-            self._segments.append(migrated)
+        migrate_v1(self.con, self.segments_dir)
+        self._segments = listed_segments(self.con)  # file names, in the segments folder
         self._journals = sorted(int(name[len(JOURNAL_PREFIX):]) for name in tables(self.con) if re.fullmatch(JOURNAL_PREFIX + r"\d+", name))
-        numbers = self._journals + [int(path.stem) for path in self._segments if path.stem.isdigit()]
-        self._next_number = max(numbers, default=0) + 1
-        # journals left by a crash (or a hard stop) become segments before anything new is written
+        self._next_number = max(next_segment(self.con), max(self._journals, default=0) + 1)
+        # journals left by a crash (or a hard stop) become segments before anything new is written; the view is
+        # written again either way, with paths relative to where the store is now
         leftovers = list(self._journals)
         self._rotate(self.con)
         for number in leftovers:
             self._compact(self.con, number)
+        for name in remove_unlisted_segments(self.con, self.segments_dir):
+            log.info(f"polar-mitm: removed {name}, a segment file a crash left unlisted (its rows were in a journal)")
         self.con.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
         views.create_views(self.con)  # after the tables and the exchanges view they select from
         if self.con.execute("SELECT value FROM meta WHERE key = 'closed_cleanly'").fetchall() != [("true",)]:
@@ -324,25 +326,26 @@ class Store:
         journals = self._journals + [number]
         with transaction(con):
             con.execute(f"CREATE TABLE {journal_table(number)} ({', '.join(f'{n} {t}' for n, t in JOURNAL_COLUMNS.items())})")
-            write_view(con, self._segments, journals)
+            write_view(con, self.path, self._segments, journals)
         self._next_number += 1
         full, self._journals, self._journal_rows = self._journals, journals, 0
         return full[-1] if full else None
 
-    def _install_segment(self, con: duckdb.DuckDBPyConnection, number: int, rows: int) -> None:
-        """Swap journal `number` for its segment in one transaction: the rows are never in both or in neither."""
-        segments = self._segments + ([self.segments_dir / segment_file(number)] if rows else [])
+    def _install_segment(self, con: duckdb.DuckDBPyConnection, number: int, file: str | None, rows: int) -> None:
+        """Swap journal `number` for its segment `file` (None: the journal was empty) in one transaction: the rows
+        are never in both or in neither."""
+        segments = self._segments + ([file] if file is not None else [])
         journals = [j for j in self._journals if j != number]
         with transaction(con):
-            if rows:
-                register_segment(con, number, rows)
-            write_view(con, segments, journals)
+            if file is not None:
+                register_segment(con, number, file, rows)
+            write_view(con, self.path, segments, journals)
             con.execute(f"DROP TABLE {journal_table(number)}")
         self._segments, self._journals = segments, journals
 
     def _compact(self, con: duckdb.DuckDBPyConnection, number: int) -> None:
         """Journal to segment, all in the calling thread (start-up and close, when nothing else writes)."""
-        self._install_segment(con, number, write_segment(con, number, self.segments_dir))
+        self._install_segment(con, number, *write_segment(con, number, self.segments_dir))
 
     def _compact_loop(self) -> None:
         # compaction yields to the proxy: DuckDB runs it on this thread alone (threads=1, set at open), niced
@@ -357,9 +360,9 @@ class Store:
                 return
             started = time.perf_counter()
             try:
-                rows = write_segment(con, number, self.segments_dir)
+                file, rows = write_segment(con, number, self.segments_dir)
                 written = time.perf_counter()
-                self._call_writer(_Pending(step=lambda writer, number=number, rows=rows: self._install_segment(writer, number, rows)))
+                self._call_writer(_Pending(step=lambda writer, number=number, file=file, rows=rows: self._install_segment(writer, number, file, rows)))
             except Exception:  # noqa: BLE001 - the journal stays (and stays in the view); compacted again at the next open
                 log.exception(f"polar-mitm: could not compact {journal_table(number)}")
                 continue

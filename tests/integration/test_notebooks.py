@@ -6,6 +6,7 @@ these tests run them and check the displayed outputs for what this run is known 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import nbformat
@@ -78,3 +79,50 @@ def test_compare_harnesses_notebook(debug_store) -> None:
     assert "exec_command(cmd: string, justification?: string" in tables and "Bash(command: string, timeout?: number" in tables
     assert "You are a coding agent running in the Codex CLI" in tables and "You are a Claude agent" in tables  # the system-prompt diff
     assert len(texts(outputs, "image/png")) == 1
+
+
+# the notebooks on stores users make (tests/support/user_stores.py), run from their own folder like every test above
+
+
+@pytest.mark.harness
+def test_notebooks_on_the_readme_store(readme_store) -> None:
+    """The README's main job: one task, one harness; the store path given absolute, as `polar-mitm notebook` does."""
+    env = {"POLAR_MITM_DB": str(readme_store.db)}
+    inspected = execute("1_inspect_session.ipynb", env)
+    assert any(f"**Session `{session}`** of 3 in `{readme_store.db}`" in shown for shown in texts(inspected, "text/markdown") for session in readme_store.sessions)
+    explored = execute("2_explore_rollout.ipynb", env)
+    assert len(texts(explored, "image/png")) == 4  # rewards, sequence lengths, compression ratio, break classes
+    assert "<td>hello</td>\n      <td>qwen</td>" in "".join(texts(explored, "text/html"))
+    assert "no rollout task" not in "".join(texts(explored, "text/markdown"))
+    compared = execute("3_compare_harnesses.ipynb", env)
+    said = "".join(texts(compared, "text/markdown"))
+    assert "this notebook needs a task run by two harnesses" in said and "task `hello`: qwen." in said
+    # the command that adds a second harness to the README's task, on this store
+    assert "".join(texts(compared, "stream")).splitlines() == [
+        "sed 's/harness: qwen/harness: claude/' examples/hello-task.yaml > hello-claude.yaml",
+        f"polar-mitm rollout run hello-claude.yaml --db {readme_store.db} --engine-hook examples/steer_tiny_model.py:steer",
+    ]
+    assert not texts(compared, "image/png")
+
+
+def test_notebooks_on_a_run_store(run_store) -> None:
+    """`polar-mitm run` sessions, no rollout task; the store path given relative to the notebooks' folder."""
+    env = {"POLAR_MITM_DB": os.path.relpath(run_store.db, NOTEBOOKS)}
+    inspected = execute("1_inspect_session.ipynb", env)
+    assert "**Session `plain-three-turns`** of 2" in "".join(texts(inspected, "text/markdown"))  # the longest
+    assert "session plain-three-turns · seq 1 → seq 2" in "".join(texts(inspected, "stream"))
+    explored = execute("2_explore_rollout.ipynb", env)
+    said = "".join(texts(explored, "text/markdown"))
+    assert "holds no rollout task" in said and "no session has a reward" in said
+    tables = "".join(texts(explored, "text/html"))
+    assert "<td>plain-three-turns</td>" in tables and "<td>plain-two-turns</td>" in tables  # its sessions
+    assert "<td>per_request</td>" in tables and "<td>prefix_merging</td>" in tables
+    assert len(texts(explored, "image/png")) == 3  # sequence lengths, compression ratio, break classes
+    compared = execute("3_compare_harnesses.ipynb", env)
+    assert "needs a task run by two harnesses" in "".join(texts(compared, "text/markdown"))
+    db = os.path.abspath(NOTEBOOKS / env["POLAR_MITM_DB"])
+    assert "".join(texts(compared, "stream")).splitlines() == [
+        f"polar-mitm rollout run examples/hello-task.yaml --db {db} --engine-hook examples/steer_tiny_model.py:steer",
+        "sed 's/harness: qwen/harness: claude/' examples/hello-task.yaml > hello-claude.yaml",
+        f"polar-mitm rollout run hello-claude.yaml --db {db} --engine-hook examples/steer_tiny_model.py:steer",
+    ]

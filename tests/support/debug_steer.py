@@ -45,5 +45,6 @@ def steer(request: dict[str, Any], context: dict[str, Any]) -> dict[str, Any]:
         forced = GREETING
     if shell or answered:
         request["logit_bias"] = canonical_bias(request["model"], forced)
-    # the client's max_tokens is kept, so a small one still cuts the sample off
-    return force(request, forced, max_tokens=min(request.get("max_tokens") or 128, 128))
+    # greedy with canonical bias: the break diagnoses this run is built for need canonical tokens; these are SDK
+    # sessions, not harness runs, and the client's max_tokens is kept, so a small one still cuts the sample off
+    return force(request, forced, max_tokens=min(request.get("max_tokens") or 128, 128), greedy=True)

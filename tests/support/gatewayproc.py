@@ -27,6 +27,7 @@ class Gateway:
     args: list[str] = field(default_factory=list)
     process: subprocess.Popen | None = None
     log: Path | None = None
+    cwd: Path | None = None  # run the gateway here, with --db relative to it (as a user typing `--db run.duckdb`)
 
     @property
     def ca_cert(self) -> Path:
@@ -44,8 +45,9 @@ class Gateway:
 
     def start(self, timeout: float = 60) -> Gateway:
         self.log = self.db.with_suffix(".gateway.log")
-        command = [sys.executable, "-m", "polar_mitm.cli", "gateway", "--port", str(self.port), "--upstream", self.upstream, "--db", str(self.db), "--confdir", str(self.confdir), "-v", *self.args]
-        self.process = subprocess.Popen(command, stdout=self.log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
+        db = os.path.relpath(self.db, self.cwd) if self.cwd is not None else str(self.db)
+        command = [sys.executable, "-m", "polar_mitm.cli", "gateway", "--port", str(self.port), "--upstream", self.upstream, "--db", db, "--confdir", str(self.confdir), "-v", *self.args]
+        self.process = subprocess.Popen(command, stdout=self.log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True, cwd=self.cwd)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

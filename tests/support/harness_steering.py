@@ -32,4 +32,4 @@ def steer(request: dict[str, Any], context: dict[str, Any]) -> dict[str, Any]:
         forced = ROUTER_JSON
     else:
         forced = SIDE_CALL_TEXT
-    return force(request, forced, max_tokens=256)
+    return force(request, forced)  # the harness's own max_tokens and sampling reach the engine

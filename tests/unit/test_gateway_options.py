@@ -35,7 +35,7 @@ def _values(tmp_path: Path) -> dict[str, Any]:
     hook.write_text("def hook(request, context):\n    return request\n")
     return {
         "upstream": "http://127.0.0.1:9/v1", "db": tmp_path / "store.duckdb", "engine": "sglang", "engine_model": "served",
-        "engine_timeout": 12.5, "split_reasoning": True, "model_map": ["gpt-*=served"], "require_auth": True,
+        "engine_timeout": 12.5, "engine_max_model_len": 32768, "split_reasoning": True, "model_map": ["gpt-*=served"], "require_auth": True,
         "passthrough": ["*.example.org"], "engine_hook": f"{hook}:hook", "sql_port": free_port(), "keepalive_interval": 2.5,
     }
 

@@ -219,6 +219,9 @@ def test_sigkill_mid_compaction_loses_and_duplicates_nothing(tmp_path: Path, aft
         seqs = reopened.query("SELECT session_id, list(seq ORDER BY seq) FROM exchanges GROUP BY ALL")[1]
     finally:
         reopened.close()
+    # a segment file the kill left unlisted (its journal was compacted again) is gone; every listed one is there
+    listed = sorted(r[0] for r in store.query(db, f"SELECT file FROM {store.SEGMENTS_TABLE}")[1])
+    assert sorted(path.name for path in store.segments_dir(db).iterdir()) == listed
     assert len(ids) == len(set(ids)), "an exchange is in a journal and a segment at once"
     assert set(committed) <= set(ids), "a committed exchange was lost"
     # counters the writer had not flushed are recounted from the exchanges; what the rollout wrote is kept
@@ -263,3 +266,39 @@ def test_live_queries_keep_the_optimizer(tmp_path: Path) -> None:
         assert "json_transform" not in plan  # the bodies a query does not read are not parsed
     finally:
         target.close()
+
+
+def test_a_same_named_store_in_the_working_directory_is_never_read_instead(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DuckDB resolves a relative path against the working directory before file_search_path: a segment's name
+    must therefore be only ever one file's, or `a/` reading `../b/s.duckdb` would read a's segments."""
+    sizes = {"a": 3, "b": 5}
+    for name, rows in sizes.items():
+        (tmp_path / name).mkdir()
+        monkeypatch.chdir(tmp_path / name)
+        writer = Store("s.duckdb", segment_rows=2)
+        try:
+            for seq in range(1, rows + 1):
+                asyncio.run(writer.commit_exchange(exchange_row(f"session-{name}", seq, prompt_len=20)))
+        finally:
+            writer.close()
+    monkeypatch.chdir(tmp_path / "a")
+    assert store.query("../b/s.duckdb", "SELECT session_id, count(*) FROM exchanges GROUP BY ALL")[1] == [["session-b", 5]]
+    assert store.query("s.duckdb", "SELECT session_id, count(*) FROM exchanges GROUP BY ALL")[1] == [["session-a", 3]]
+
+
+def test_a_renamed_or_moved_store_opens_and_its_view_follows_the_next_writer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    writer = Store("first.duckdb", segment_rows=2)
+    try:
+        for seq in (1, 2, 3):
+            asyncio.run(writer.commit_exchange(exchange_row("s", seq, prompt_len=20)))
+    finally:
+        writer.close()
+    moved = tmp_path / "moved" / "second.duckdb"
+    moved.parent.mkdir()
+    os.rename("first.duckdb", moved)
+    os.rename("first.duckdb.segments", store.segments_dir(moved))
+    writer = Store(moved)  # the writer names the segments after the file again
+    writer.close()
+    monkeypatch.chdir(moved.parent.parent.parent)
+    assert store.query(moved, "SELECT count(*) FROM exchanges")[1] == [[3]]

@@ -1,0 +1,137 @@
+"""A store is a folder-like unit: the `.duckdb` file and its `<db>.segments/` folder, made with a relative `--db`
+in one working directory, read from any other by every reader the README names, and movable or copyable as a whole.
+
+The stores come from tests/support/user_stores.py (a real gateway / the README's main job, run with `--db NAME.duckdb`
+in a directory of their own); the readers run with another working directory and name the store relative to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from polar_mitm import store
+from polar_mitm.store import Store
+from tests.support.user_stores import UserStore, polar_mitm, user_env
+from tests.unit.test_store import exchange_row
+
+# an outside tool: the plain `duckdb` package (no polar_mitm), and pandas through it; argv: db, then the folder
+# for the one line the README gives (empty: nothing set)
+OUTSIDE = """
+import sys, duckdb
+db, folder = sys.argv[1:3]
+con = duckdb.connect(db, read_only=True)
+if folder:
+    con.execute("SET file_search_path = ?", [folder])
+print(con.sql("SELECT count(*) FROM exchanges").fetchall()[0][0])
+print(len(con.sql("SELECT exchange_id, prompt_token_ids FROM exchanges").df()))
+"""
+
+
+def outside_tool(db: str, cwd: Path, folder: str = "") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", OUTSIDE, db, folder], cwd=cwd, env=user_env(), capture_output=True, text=True, timeout=120)
+
+
+def sql_count(db: str, cwd: Path) -> int:
+    done = polar_mitm("sql", "--db", db, "--json", "SELECT count(*) AS n FROM exchanges", cwd=cwd)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[0])["n"]
+
+
+def check_every_reader(target: UserStore, cwd: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each reader, run in `cwd` with the store named relative to it, sees every exchange of the store."""
+    expected = sum(target.sessions.values())
+    relative = os.path.relpath(target.db, cwd)
+    assert not (cwd / store.segments_dir(target.db.name)).exists()  # nothing here to find by accident
+    # the sessions table is a table: its counters do not depend on where the segments are found
+    with monkeypatch.context() as patch:
+        patch.chdir(cwd)
+        counted = store.query(relative, "SELECT sum(n_exchanges) FROM sessions")[1][0][0]
+        listed = store.query_dicts(relative, "SELECT session_id, count(*) AS n FROM exchanges GROUP BY ALL")
+    assert counted == expected and {r["session_id"]: r["n"] for r in listed} == target.sessions
+    assert sql_count(relative, cwd) == expected  # the `polar-mitm sql` console script
+    # the `duckdb` package as an outside tool would use it: the one line the README gives, then pandas
+    outside = outside_tool(relative, cwd, str(target.db.parent))
+    assert outside.returncode == 0, outside.stderr
+    assert outside.stdout.split() == [str(expected), str(expected)]
+    # the same tool run in the store's folder needs nothing set
+    inside = outside_tool(target.db.name, target.db.parent)
+    assert inside.returncode == 0 and inside.stdout.split() == [str(expected), str(expected)], inside.stderr
+    # pandas on the segments folder itself (a closed store holds all its exchanges in Parquet)
+    import pandas as pd
+
+    assert len(pd.read_parquet(store.segments_dir(target.db))) == expected
+
+
+@pytest.mark.engine
+def test_a_gateway_store_made_with_a_relative_db_is_read_from_another_directory(run_store: UserStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # `polar-mitm sql` from another directory while the gateway held the store (its loopback SQL endpoint)
+    assert [line.split()[:3] for line in run_store.live_sql.splitlines()[2:4]] == [["plain-three-turns", "|", "3"], ["plain-two-turns", "|", "2"]]
+    check_every_reader(run_store, tmp_path, monkeypatch)
+
+
+@pytest.mark.engine
+@pytest.mark.harness
+def test_the_readme_store_is_read_and_assembled_from_another_directory(readme_store: UserStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    check_every_reader(readme_store, tmp_path, monkeypatch)
+    relative = os.path.relpath(readme_store.db, tmp_path)
+    # the assembler, through its CLI: reads the segments, writes the trajectories table again (same rows)
+    done = polar_mitm("assemble", "--db", relative, "--builder", "prefix_merging", "--out", "train.parquet", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    written = pq.read_table(tmp_path / "train.parquet")
+    assert set(written.column("session_id").to_pylist()) == set(readme_store.sessions)
+    stored = store.query(readme_store.db, "SELECT count(*) FROM trajectories WHERE builder = 'prefix_merging'")[1][0][0]
+    assert stored == written.num_rows
+
+
+@pytest.mark.engine
+def test_a_copied_store_opens_and_stays_its_own(run_store: UserStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    copy = tmp_path / "copied" / "run.duckdb"
+    copy.parent.mkdir()
+    shutil.copy2(run_store.db, copy)
+    shutil.copytree(store.segments_dir(run_store.db), store.segments_dir(copy))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    check_every_reader(UserStore(db=copy, sessions=run_store.sessions), elsewhere, monkeypatch)
+    # the assembler on the copy, from a third directory
+    done = polar_mitm("assemble", "--db", os.path.relpath(copy, elsewhere), "--builder", "per_request", "--out", "train.parquet", cwd=elsewhere)
+    assert done.returncode == 0, done.stderr
+    assert pq.read_table(elsewhere / "train.parquet").num_rows == sum(run_store.sessions.values())
+    # written to, the copy moves on alone: the original keeps its rows
+    writer = Store(copy)
+    try:
+        asyncio.run(writer.commit_exchange(exchange_row("copy-only", 1, prompt_len=20)))
+    finally:
+        writer.close()
+    expected = sum(run_store.sessions.values())
+    assert sql_count(str(copy), elsewhere) == expected + 1
+    assert sql_count(run_store.db.name, run_store.db.parent) == expected
+    # read from the original's folder, where a segments folder of the same name lies, the copy is still the copy
+    assert sql_count(os.path.relpath(copy, run_store.db.parent), run_store.db.parent) == expected + 1
+
+
+@pytest.mark.engine
+def test_a_store_in_a_read_only_folder_is_read_without_writing_to_it(run_store: UserStore, tmp_path: Path) -> None:
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    shutil.copy2(run_store.db, folder / "run.duckdb")
+    shutil.copytree(store.segments_dir(run_store.db), store.segments_dir(folder / "run.duckdb"))
+    before = {path: path.stat().st_mtime_ns for path in folder.rglob("*")}
+    for path in [*before, folder]:
+        path.chmod(0o555 if path.is_dir() else 0o444)
+    try:
+        assert sql_count(str(folder / "run.duckdb"), tmp_path) == sum(run_store.sessions.values())
+        assert store.query(folder / "run.duckdb", "SELECT count(*) FROM sessions")[1] == [[len(run_store.sessions)]]
+    finally:
+        for path in [folder, *before]:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+    # (as root the modes stop nothing: what is checked is that reading wrote nothing, not even a WAL)
+    assert {path: path.stat().st_mtime_ns for path in folder.rglob("*")} == before
