@@ -7,7 +7,7 @@ from typing import Any
 
 from polar_mitm.errors import DialectError, EngineError
 
-__all__ = ["Completion", "DialectError", "EngineError", "Notes", "ParsedRequest", "ToolCall"]
+__all__ = ["Completion", "DialectError", "EngineError", "Notes", "ParsedRequest", "StreamState", "ToolCall"]
 
 
 @dataclass
@@ -80,3 +80,21 @@ class Completion:
     completion_tokens: int
     # the stop string that ended the sample (vLLM's `stop_reason` when it is a string), if one did
     stop_sequence: str | None = None
+
+
+@dataclass
+class StreamState:
+    """What every event of one streamed reply shares from its first byte on, before the engine has answered.
+
+    `id` and `created` name the reply (each dialect derives its own ids from `id`, as it does from an engine id);
+    `events` counts the events already sent, for grammars that number them (Responses' `sequence_number`).
+    """
+
+    id: str
+    created: int
+    events: int = 0
+
+    @classmethod
+    def of(cls, completion: Completion) -> StreamState:
+        """The state of a stream rendered in one piece from a finished completion."""
+        return cls(id=completion.id, created=completion.created)

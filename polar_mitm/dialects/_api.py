@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from polar_mitm.dialects.common import SSEEvent, sse_events
-from polar_mitm.exchange import Completion, DialectError, ParsedRequest
+from polar_mitm.exchange import Completion, DialectError, ParsedRequest, StreamState
 
 
 @dataclass
@@ -52,6 +52,26 @@ class Dialect(Protocol):
 
     def error_body(self, error: DialectError) -> dict[str, Any]:
         """The provider's error shape."""
+        ...
+
+    # A streamed reply in four parts, so its first bytes can go out before the engine answers (gateway/streaming.py):
+    # render_stream(parsed, completion) == stream_opening(parsed, state) + stream_body(parsed, state, completion)
+    # for state = StreamState.of(completion); keepalives may come between the two, an error instead of the body.
+
+    def stream_opening(self, parsed: ParsedRequest, state: StreamState) -> bytes:
+        """The events the provider sends before any output (may be empty: then only status and headers go first)."""
+        ...
+
+    def stream_keepalive(self, parsed: ParsedRequest, state: StreamState) -> bytes:
+        """One event that keeps the stream alive and changes nothing a client assembles."""
+        ...
+
+    def stream_body(self, parsed: ParsedRequest, state: StreamState, completion: Completion) -> bytes:
+        """Everything after the opening: the reply's events, to the provider's end of stream."""
+        ...
+
+    def stream_error(self, parsed: ParsedRequest, state: StreamState, error: DialectError) -> bytes:
+        """A failure after the headers, in the provider's in-stream error grammar; the stream ends after it."""
         ...
 
     def parse_reply(self, body: dict[str, Any]) -> Reply:

@@ -15,7 +15,7 @@ from typing import Any
 from polar_mitm.dialects import reasoning
 from polar_mitm.dialects._api import Reply, error_text
 from polar_mitm.dialects.common import SSEEvent, expect, load_json_object, sse
-from polar_mitm.exchange import Completion, DialectError, Notes, ParsedRequest
+from polar_mitm.exchange import Completion, DialectError, Notes, ParsedRequest, StreamState
 
 API = "anthropic_messages"
 STREAM_CONTENT_TYPE = "text/event-stream; charset=utf-8"
@@ -456,11 +456,26 @@ def _stop_reason(completion: Completion) -> tuple[str, str | None]:
     return "end_turn", None
 
 
-def render_stream(parsed: ParsedRequest, completion: Completion) -> bytes:
-    """Anthropic's event grammar; each block arrives whole in one delta (two for a thinking block)."""
+def stream_opening(parsed: ParsedRequest, state: StreamState) -> bytes:
+    """message_start. The prompt's token count is not known before the engine answers: 0 here, the real count in
+    message_delta's usage (the SDKs take input_tokens from there too)."""
+    message = {
+        "id": "msg_" + _id_suffix(state.id, "chatcmpl-"), "type": "message", "role": "assistant", "model": parsed.model,
+        "content": [], "stop_reason": None, "stop_sequence": None,
+        "usage": {"input_tokens": 0, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0, "output_tokens": 0},
+    }
+    return sse("message_start", {"type": "message_start", "message": message})
+
+
+def stream_keepalive(parsed: ParsedRequest, state: StreamState) -> bytes:
+    """Anthropic's own keepalive; its SDKs drop pings before anyone sees them."""
+    return _PING
+
+
+def stream_body(parsed: ParsedRequest, state: StreamState, completion: Completion) -> bytes:
+    """Everything after message_start; each block arrives whole in one delta (two for a thinking block)."""
     message = render_body(parsed, completion)
-    start = {**message, "content": [], "stop_reason": None, "stop_sequence": None, "usage": _usage(completion, 0)}
-    events = [sse("message_start", {"type": "message_start", "message": start})]
+    events = []
     for index, block in enumerate(message["content"]):
         kind = block["type"]
         if kind == "thinking":
@@ -483,6 +498,16 @@ def render_stream(parsed: ParsedRequest, completion: Completion) -> bytes:
     )
     events.append(sse("message_stop", {"type": "message_stop"}))
     return b"".join(events)
+
+
+def stream_error(parsed: ParsedRequest, state: StreamState, error: DialectError) -> bytes:
+    """Anthropic's mid-stream failure: an `error` event with the error body (the SDKs raise from it)."""
+    return sse("error", error_body(error))
+
+
+def render_stream(parsed: ParsedRequest, completion: Completion) -> bytes:
+    state = StreamState.of(completion)
+    return stream_opening(parsed, state) + stream_body(parsed, state, completion)
 
 
 _PING = sse("ping", '{"type": "ping"}')

@@ -20,7 +20,7 @@ from urllib.parse import unquote
 from polar_mitm.dialects import reasoning
 from polar_mitm.dialects._api import Reply
 from polar_mitm.dialects.common import SSEEvent, expect, load_json_object
-from polar_mitm.exchange import Completion, DialectError, Notes, ParsedRequest
+from polar_mitm.exchange import Completion, DialectError, Notes, ParsedRequest, StreamState
 
 API = "gemini"
 STREAM_CONTENT_TYPE = "text/event-stream"
@@ -589,7 +589,24 @@ def render_body(parsed: ParsedRequest, completion: Completion) -> dict[str, Any]
     }
 
 
-def render_stream(parsed: ParsedRequest, completion: Completion) -> bytes:
+def _event(chunk: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(chunk, ensure_ascii=False, separators=(",", ":")).encode() + b"\r\n\r\n"
+
+
+def stream_opening(parsed: ParsedRequest, state: StreamState) -> bytes:
+    """Google's grammar has no opening event (the first chunk already carries content): a streamed reply starts with
+    its status and headers alone, and a reply ready before the first keepalive is byte for byte what it was."""
+    return b""
+
+
+def stream_keepalive(parsed: ParsedRequest, state: StreamState) -> bytes:
+    """A chunk whose only part is an empty text. google-genai turns every SSE line into a JSON chunk (an SSE comment
+    fails its parse), so a keepalive must be a real chunk; its text adds nothing to the reply's, and Gemini CLI
+    leaves parts with an empty text out of the turn it records."""
+    return _event({"candidates": [{"content": {"role": "model", "parts": [{"text": ""}]}, "index": 0}], "modelVersion": parsed.model, "responseId": state.id})
+
+
+def stream_body(parsed: ParsedRequest, state: StreamState, completion: Completion) -> bytes:
     """One GenerateContentResponse per SSE event, `data: {...}` + CRLF CRLF as Google sends them, no `event:`
     lines; the last chunk carries finishReason and the usage."""
     groups = [group for group in _parts(parsed, completion) if group]
@@ -600,9 +617,19 @@ def render_stream(parsed: ParsedRequest, completion: Completion) -> bytes:
         if final:
             chunk["usageMetadata"] = _usage(completion)
         chunk["modelVersion"] = parsed.model
-        chunk["responseId"] = completion.id
-        chunks.append(b"data: " + json.dumps(chunk, ensure_ascii=False, separators=(",", ":")).encode() + b"\r\n\r\n")
+        chunk["responseId"] = state.id
+        chunks.append(_event(chunk))
     return b"".join(chunks)
+
+
+def stream_error(parsed: ParsedRequest, state: StreamState, error: DialectError) -> bytes:
+    """Google's error object as a chunk of its own; google-genai raises the APIError subclass of its code."""
+    return _event(error_body(error))
+
+
+def render_stream(parsed: ParsedRequest, completion: Completion) -> bytes:
+    state = StreamState.of(completion)
+    return stream_opening(parsed, state) + stream_body(parsed, state, completion)
 
 
 def render_count_tokens(parsed: ParsedRequest, count: int) -> dict[str, Any]:

@@ -6,7 +6,7 @@ from typing import Any
 
 from polar_mitm.dialects._api import Reply
 from polar_mitm.dialects.common import SSEEvent, expect, load_json_object, sse
-from polar_mitm.exchange import Completion, DialectError, Notes, ParsedRequest
+from polar_mitm.exchange import Completion, DialectError, Notes, ParsedRequest, StreamState
 
 API = "openai_chat"
 STREAM_CONTENT_TYPE = "text/event-stream; charset=utf-8"
@@ -115,37 +115,56 @@ def _usage(completion: Completion) -> dict[str, int]:
     }
 
 
-def render_stream(parsed: ParsedRequest, completion: Completion) -> bytes:
-    include_usage = parsed.render.get("include_usage")
+def _chunk(parsed: ParsedRequest, state: StreamState, delta: dict[str, Any], finish_reason: str | None = None, logprobs: Any = None) -> bytes:
+    event: dict[str, Any] = {
+        "id": state.id,
+        "object": "chat.completion.chunk",
+        "created": state.created,
+        "model": parsed.model,
+        "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
+    }
+    if parsed.render.get("include_usage"):
+        event["usage"] = None
+    return sse(None, event)
 
-    def chunk(delta: dict[str, Any], finish_reason: str | None = None, logprobs: Any = None) -> bytes:
-        event: dict[str, Any] = {
-            "id": completion.id,
-            "object": "chat.completion.chunk",
-            "created": completion.created,
-            "model": parsed.model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
-        }
-        if include_usage:
-            event["usage"] = None
-        return sse(None, event)
 
-    parts = [chunk({"role": "assistant", "content": ""})]
+def stream_opening(parsed: ParsedRequest, state: StreamState) -> bytes:
+    """The assistant's role, as OpenAI's first chunk carries it."""
+    return _chunk(parsed, state, {"role": "assistant", "content": ""})
+
+
+def stream_keepalive(parsed: ParsedRequest, state: StreamState) -> bytes:
+    """A chunk with an empty delta: a real event for SDKs whose idle timers skip SSE comments (Qwen Code's
+    watchdog counts SDK chunks), and nothing to add for anyone assembling deltas."""
+    return _chunk(parsed, state, {})
+
+
+def stream_body(parsed: ParsedRequest, state: StreamState, completion: Completion) -> bytes:
+    """Everything after the opening: the deltas, the finish chunk, the usage chunk if asked for, [DONE]."""
+    parts = []
     if completion.reasoning:
-        parts.append(chunk({"reasoning_content": completion.reasoning}))
+        parts.append(_chunk(parsed, state, {"reasoning_content": completion.reasoning}))
     if completion.content:
         logprobs = {"content": completion.logprobs_content} if parsed.render.get("logprobs") else None
-        parts.append(chunk({"content": completion.content}, logprobs=logprobs))
+        parts.append(_chunk(parsed, state, {"content": completion.content}, logprobs=logprobs))
     for index, call in enumerate(completion.tool_calls):
-        parts.append(chunk({"tool_calls": [{"index": index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}]}))
-        parts.append(chunk({"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]}))
-    parts.append(chunk({}, finish_reason=completion.finish_reason))
-    if include_usage:
-        parts.append(
-            sse(None, {"id": completion.id, "object": "chat.completion.chunk", "created": completion.created, "model": parsed.model, "choices": [], "usage": _usage(completion)})
-        )
+        parts.append(_chunk(parsed, state, {"tool_calls": [{"index": index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}]}))
+        parts.append(_chunk(parsed, state, {"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]}))
+    parts.append(_chunk(parsed, state, {}, finish_reason=completion.finish_reason))
+    if parsed.render.get("include_usage"):
+        parts.append(sse(None, {"id": state.id, "object": "chat.completion.chunk", "created": state.created, "model": parsed.model, "choices": [], "usage": _usage(completion)}))
     parts.append(b"data: [DONE]\n\n")
     return b"".join(parts)
+
+
+def stream_error(parsed: ParsedRequest, state: StreamState, error: DialectError) -> bytes:
+    """OpenAI's mid-stream failure: a data line holding an `error` object, and no [DONE] (the SDK raises APIError)."""
+    return sse(None, error_body(error))
+
+
+def render_stream(parsed: ParsedRequest, completion: Completion) -> bytes:
+    state = StreamState.of(completion)
+    return stream_opening(parsed, state) + stream_body(parsed, state, completion)
 
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 407: "authentication_error", 429: "rate_limit_error"}

@@ -18,7 +18,7 @@ from polar_mitm.dialects import openai_chat
 from polar_mitm.dialects import reasoning as reasoning_carrier
 from polar_mitm.dialects._api import Reply
 from polar_mitm.dialects.common import SSEEvent, expect, load_json_object, sse
-from polar_mitm.exchange import Completion, DialectError, Notes, ParsedRequest
+from polar_mitm.exchange import Completion, DialectError, Notes, ParsedRequest, StreamState
 
 API = "openai_responses"
 STREAM_CONTENT_TYPE = "text/event-stream; charset=utf-8"
@@ -553,13 +553,13 @@ def _includes(include: list[Any], t: _Translation) -> set[str]:
 
 
 # -- rendering
-def _ids(completion: Completion) -> str:
-    # derived from the engine's id: body and stream of one exchange carry the same ids
-    return completion.id.removeprefix("chatcmpl-").replace("-", "")
+def _ids(reply_id: str) -> str:
+    # derived from the reply's id (the engine's, or the one a stream opened with): body and stream carry the same ids
+    return reply_id.removeprefix("chatcmpl-").replace("-", "")
 
 
 def _output(parsed: ParsedRequest, completion: Completion) -> list[dict[str, Any]]:
-    base = _ids(completion)
+    base = _ids(completion.id)
     items: list[dict[str, Any]] = []
     truncated = completion.finish_reason == "length"
     if completion.reasoning:
@@ -624,23 +624,23 @@ def _usage(completion: Completion) -> dict[str, Any]:
     }
 
 
-def render_body(parsed: ParsedRequest, completion: Completion) -> dict[str, Any]:
+def _envelope(parsed: ParsedRequest, reply_id: str, created: int) -> dict[str, Any]:
+    """The response object as it stands before any output: what response.created carries."""
     echo = parsed.render["echo"]
-    incomplete = {"length": "max_output_tokens", "content_filter": "content_filter"}.get(completion.finish_reason)
     return {
-        "id": f"resp_{_ids(completion)}",
+        "id": f"resp_{_ids(reply_id)}",
         "object": "response",
-        "created_at": completion.created,
-        "status": "incomplete" if incomplete else "completed",
+        "created_at": created,
+        "status": "in_progress",
         "background": False,
-        "completed_at": completion.created,
+        "completed_at": None,
         "error": None,
-        "incomplete_details": {"reason": incomplete} if incomplete else None,
+        "incomplete_details": None,
         "instructions": echo["instructions"],
         "max_output_tokens": echo["max_output_tokens"],
         "max_tool_calls": None,
         "model": parsed.model,
-        "output": _output(parsed, completion),
+        "output": [],
         "parallel_tool_calls": echo["parallel_tool_calls"],
         "previous_response_id": None,
         "prompt_cache_key": echo["prompt_cache_key"],
@@ -654,32 +654,81 @@ def render_body(parsed: ParsedRequest, completion: Completion) -> dict[str, Any]
         "top_logprobs": echo["top_logprobs"],
         "top_p": echo["top_p"],
         "truncation": "disabled",
-        "usage": _usage(completion),
+        "usage": None,
         "user": None,
         "metadata": echo["metadata"],
     }
 
 
+def render_body(parsed: ParsedRequest, completion: Completion) -> dict[str, Any]:
+    incomplete = {"length": "max_output_tokens", "content_filter": "content_filter"}.get(completion.finish_reason)
+    body = _envelope(parsed, completion.id, completion.created)
+    body.update(
+        status="incomplete" if incomplete else "completed",
+        completed_at=completion.created,
+        incomplete_details={"reason": incomplete} if incomplete else None,
+        output=_output(parsed, completion),
+        usage=_usage(completion),
+    )
+    return body
+
+
 class _Events:
-    def __init__(self) -> None:
+    """Renders events numbered on from `state.events` (sequence_number runs across opening, keepalives and body)."""
+
+    def __init__(self, state: StreamState) -> None:
         self.parts: list[bytes] = []
-        self.sequence = 0
+        self.state = state
 
     def emit(self, kind: str, **fields: Any) -> None:
-        self.parts.append(sse(kind, {"type": kind, "sequence_number": self.sequence, **fields}))
-        self.sequence += 1
+        self.parts.append(sse(kind, {"type": kind, "sequence_number": self.state.events, **fields}))
+        self.state.events += 1
+
+    def bytes(self) -> bytes:
+        return b"".join(self.parts)
 
 
-def render_stream(parsed: ParsedRequest, completion: Completion) -> bytes:
-    final = render_body(parsed, completion)
-    events = _Events()
-    started = {**final, "status": "in_progress", "completed_at": None, "incomplete_details": None, "output": [], "usage": None}
+def stream_opening(parsed: ParsedRequest, state: StreamState) -> bytes:
+    """response.created and response.in_progress, as OpenAI sends them before any output."""
+    events = _Events(state)
+    started = _envelope(parsed, state.id, state.created)
     events.emit("response.created", response=started)
     events.emit("response.in_progress", response=started)
+    return events.bytes()
+
+
+def stream_keepalive(parsed: ParsedRequest, state: StreamState) -> bytes:
+    """response.in_progress again: a real event (Codex's idle timer skips SSE comments) that changes nothing."""
+    events = _Events(state)
+    events.emit("response.in_progress", response=_envelope(parsed, state.id, state.created))
+    return events.bytes()
+
+
+def stream_body(parsed: ParsedRequest, state: StreamState, completion: Completion) -> bytes:
+    """The output items, then response.completed (or response.incomplete)."""
+    final = render_body(parsed, completion)
+    events = _Events(state)
     for output_index, item in enumerate(final["output"]):
         _stream_item(events, output_index, item)
     events.emit("response.completed" if final["status"] == "completed" else "response.incomplete", response=final)
-    return b"".join(events.parts)
+    return events.bytes()
+
+
+def stream_error(parsed: ParsedRequest, state: StreamState, error: DialectError) -> bytes:
+    """response.failed with the error: code `context_length_exceeded` for a prompt over the engine's context (Codex
+    keys on it), else `server_error` (what else fails mid-stream is the engine or the gateway)."""
+    events = _Events(state)
+    failed = _envelope(parsed, state.id, state.created)
+    body = error_body(error)["error"]
+    code = "context_length_exceeded" if body.get("code") == "context_length_exceeded" else "server_error"
+    failed.update(status="failed", error={"code": code, "message": body["message"]})
+    events.emit("response.failed", response=failed)
+    return events.bytes()
+
+
+def render_stream(parsed: ParsedRequest, completion: Completion) -> bytes:
+    state = StreamState.of(completion)
+    return stream_opening(parsed, state) + stream_body(parsed, state, completion)
 
 
 def _stream_item(events: _Events, output_index: int, item: dict[str, Any]) -> None:

@@ -201,8 +201,9 @@ class Engine:
     def token_id_fields(self) -> dict[str, Any]:
         return {}
 
-    async def complete(self, engine_request: dict[str, Any], notes: Notes | None = None) -> tuple[dict[str, Any], dict[str, Any], Completion]:
-        """One engine call: (the request as finally sent, the engine's raw reply, the parsed completion).
+    async def complete(self, engine_request: dict[str, Any], notes: Notes | None = None, timeout: float | None = None) -> tuple[dict[str, Any], dict[str, Any], Completion]:
+        """One engine call: (the request as finally sent, the engine's raw reply, the parsed completion). `timeout`:
+        seconds for this call instead of the engine's own.
 
         The output budget is fitted to the engine's context, never refused: harnesses ask for what their provider
         allows (Claude Code 128000, Qwen Code 32768), training engines often serve 32k-64k. The harness gets
@@ -223,7 +224,7 @@ class Engine:
         # encoded once: the same text is sent and recorded
         sent = WireJSON(fitted) if fitted != engine_request or not isinstance(engine_request, WireJSON) else engine_request
         try:
-            raw = await self._send("POST", "/chat/completions", sent)
+            raw = await self._send("POST", "/chat/completions", sent, timeout=timeout)
         except EngineError as error:
             if error.status_class != "engine_rejected" or limit is None:
                 raise
@@ -240,7 +241,7 @@ class Engine:
             if not any(isinstance(sent.get(key), int) and sent[key] > room for key in BUDGET_KEYS):
                 raise  # rejected for another reason
             sent = WireJSON({**sent, **{key: min(sent[key], room) for key in BUDGET_KEYS if isinstance(sent.get(key), int)}})
-            raw = await self._send("POST", "/chat/completions", sent)
+            raw = await self._send("POST", "/chat/completions", sent, timeout=timeout)
         completion = self.parse_completion(raw)
         if notes is not None and limit is not None:
             room = limit - completion.prompt_tokens
@@ -269,17 +270,20 @@ class Engine:
     async def count_tokens(self, count_request: dict[str, Any]) -> int:
         raise EngineError("engine_error", f"{self.kind} engine cannot count tokens", 501)
 
-    async def _send(self, method: str, path: str, body: dict[str, Any] | None = None, root: bool = False) -> dict[str, Any]:
+    async def _send(self, method: str, path: str, body: dict[str, Any] | None = None, root: bool = False, timeout: float | None = None) -> dict[str, Any]:
         url = (self.root_url if root else self.base_url) + path
         data = None
         if body is not None:
             data = (body.text if isinstance(body, WireJSON) else json.dumps(body, ensure_ascii=False)).encode()
+        limit = self.timeout if timeout is None else timeout
+        # only a call's own limit is passed: aiohttp reads timeout=None as "no limit", not as the session's
+        per_call = {"timeout": aiohttp.ClientTimeout(total=None, sock_connect=10.0, sock_read=limit)} if timeout is not None else {}
         try:
-            async with self._http().request(method, url, data=data, headers={"content-type": "application/json"} if data is not None else None) as response:
+            async with self._http().request(method, url, data=data, headers={"content-type": "application/json"} if data is not None else None, **per_call) as response:
                 status = response.status
                 text = (await response.read()).decode("utf-8", "replace")
         except TimeoutError as error:  # aiohttp's socket timeouts are TimeoutErrors too
-            raise EngineError("engine_timeout", f"the inference engine did not answer within {self.timeout:g}s ({type(error).__name__})", 504) from error
+            raise EngineError("engine_timeout", f"the inference engine did not answer within {limit:g}s ({type(error).__name__})", 504) from error
         except aiohttp.ClientError as error:
             raise EngineError("engine_unreachable", f"the inference engine at {self.base_url} is unreachable: {error!r}", 503) from error
         try:

@@ -7,11 +7,13 @@ call, token ids + logprobs) -> store (committed) -> dialect (the provider's JSON
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import fnmatch
 import gc
 import hmac
 import json
 import logging
+import time
 import uuid
 import weakref
 from collections.abc import Awaitable, Callable
@@ -21,14 +23,15 @@ from typing import Any, TypeVar
 from mitmproxy import ctx, exceptions, http
 from mitmproxy.connection import ConnectionState
 
-from polar_mitm import dialects, redact, routing, session
+from polar_mitm import dialects, harnesses, redact, routing, session
 from polar_mitm.dialects import CountsTokens, Dialect
 from polar_mitm.engines import ENGINES, make_engine
 from polar_mitm.engines.base import Engine
 from polar_mitm.errors import CallAbandoned, ConfigError, RenderError
-from polar_mitm.exchange import DialectError, EngineError, ParsedRequest
+from polar_mitm.exchange import Completion, DialectError, EngineError, ParsedRequest, StreamState
 from polar_mitm.gateway import options
 from polar_mitm.gateway.control import EngineCallAborted, PolicyControl
+from polar_mitm.gateway.streaming import LoopbackStreams, StreamedReply
 from polar_mitm.render.serve import RENDER_MODES, TokenPath
 from polar_mitm.store import ExchangeRow, Store, now
 from polar_mitm.util import load_function
@@ -41,6 +44,10 @@ T = TypeVar("T")
 CLIENT_CHECK_S = 0.25
 # at a clean stop, how long calls cancelled on the engine get to commit their rows before the store closes
 SHUTDOWN_COMMIT_S = 10.0
+# a streamed call's headers wait this long for the engine: a fast failure (a prompt over the context, a request
+# the engine refuses) is still answered with the provider's HTTP error, which harnesses handle best; after that,
+# headers, the opening events and keepalives go out (well inside the 1 s a first byte is allowed)
+STREAM_HOLD_S = 0.3
 
 
 class PolarAddon:
@@ -58,6 +65,8 @@ class PolarAddon:
         self.all_committed.set()
         self.started = asyncio.Event()  # the store is open: running() is through
         self.tokens: TokenPath | None = None  # --render tokens
+        self.streams = LoopbackStreams()  # streamed replies leave through a loopback server (gateway/streaming.py)
+        self.stream_tasks: set[asyncio.Task[None]] = set()
         self.control = PolicyControl(model_exists=self._engine_serves)
         self.listen: tuple[str, int] | None = None
 
@@ -115,6 +124,8 @@ class PolarAddon:
             self.control.policy_version = ctx.options.polar_policy_version
         if "confdir" in updated or not self.secret:
             self.secret = session.load_secret(ctx.options.confdir)
+        if "polar_keepalive_interval" in updated and ctx.options.polar_keepalive_interval < 0:
+            raise exceptions.OptionsError("polar_keepalive_interval must be 0 (off) or positive")
 
     def _open_store(self) -> None:
         db = Path(ctx.options.polar_db)
@@ -149,6 +160,7 @@ class PolarAddon:
         self._open_store()
         if self.store is None:
             return  # errorcheck stops the gateway with the logged cause
+        await self.streams.start()
         self.started.set()
         self._announce()
         # everything alive now (mitmproxy, its certificates, our modules) lives as long as the proxy: out of the
@@ -179,6 +191,10 @@ class PolarAddon:
         # a clean stop cancels the calls in flight (the engine aborts them) and records them gateway_shutdown
         for call in list(self.engine_calls):
             call.cancel()
+        if self.stream_tasks:
+            # streamed exchanges finish their rows (gateway_shutdown) and tell their clients in the stream
+            await asyncio.wait(set(self.stream_tasks), timeout=SHUTDOWN_COMMIT_S)
+        await self.streams.close()
         if self.open_exchanges:
             try:
                 await asyncio.wait_for(self.all_committed.wait(), SHUTDOWN_COMMIT_S)
@@ -272,14 +288,20 @@ class PolarAddon:
         # mitmproxy listens before running(): a call that early waits for the store
         await self.started.wait()
         assert self.store is not None
-        self.open_exchanges += 1
-        self.all_committed.clear()
+        self._opened()
         try:
             await self._exchange_committed(flow, dialect, path)
         finally:
-            self.open_exchanges -= 1
-            if not self.open_exchanges:
-                self.all_committed.set()
+            self._closed()
+
+    def _opened(self) -> None:
+        self.open_exchanges += 1
+        self.all_committed.clear()
+
+    def _closed(self) -> None:
+        self.open_exchanges -= 1
+        if not self.open_exchanges:
+            self.all_committed.set()
 
     async def _exchange_committed(self, flow: http.HTTPFlow, dialect: Dialect, path: str) -> None:
         assert self.store is not None
@@ -312,6 +334,10 @@ class PolarAddon:
         try:
             parsed = dialect.parse(raw_body, path, dict(query))
             row.update(model_requested=parsed.model, stream=parsed.stream, ignored_fields=parsed.ignored, normalizations=parsed.normalizations, action=parsed.action)
+            if parsed.stream and parsed.action == "generate" and self.streams.running:
+                if await self._stream(flow, parsed, dialect, row):
+                    return  # the reply streams on; its task commits the row
+                # the engine failed at once: answered below with the provider's HTTP error
             status_code, content_type, body, body_json = await self._while_client_waits(flow, self._serve(parsed, dialect, row))
             if gone := _client_gone(flow):
                 # the reply came back too late for its client: kept, but it never reached the harness
@@ -330,9 +356,7 @@ class PolarAddon:
             row.update(status=error.status_class, error=error.message, engine_response=error.engine_body)
             status_code, content_type, body, body_json = self._error(dialect, error.for_client())
         except Exception as error:  # noqa: BLE001 - a bug must still answer in the provider's shape, and be recorded
-            log.exception("polar: internal error")
-            row.update(status="internal_error", error=f"{type(error).__name__}: {error}")
-            status_code, content_type, body, body_json = self._error(dialect, DialectError(500, "internal_error", f"polar-mitm internal error: {type(error).__name__}: {error}"))
+            status_code, content_type, body, body_json = self._error(dialect, _internal_error(row, error))
         if parsed is None and "model_requested" not in row:
             row["model_requested"] = _peek_model(raw_body, path)
         row.update(http_status=status_code, response_body=body_json, ended_at=now())
@@ -342,11 +366,7 @@ class PolarAddon:
         except Exception as error:  # noqa: BLE001 - never reply without a committed row
             log.exception("polar: could not commit exchange")
             status_code, content_type, body, _ = self._error(dialect, DialectError(500, "store_error", f"polar-mitm could not record the exchange: {error}"))
-        flow.response = http.Response.make(
-            status_code,
-            body,
-            {"content-type": content_type, "x-polar-exchange-id": row["exchange_id"], "x-polar-session-id": session_id, **({"cache-control": "no-cache"} if content_type.startswith("text/event-stream") else {})},
-        )
+        flow.response = http.Response.make(status_code, body, _reply_headers(content_type, row))
 
     async def _while_client_waits(self, flow: http.HTTPFlow, call: Awaitable[T]) -> T:
         """Await `call` (the engine's part of an exchange) while its client still waits for the answer.
@@ -387,11 +407,23 @@ class PolarAddon:
             body_json = dialect.render_count_tokens(parsed, count)
             row["engine_response"] = {"count": count}
             return 200, "application/json", json.dumps(body_json).encode(), body_json
+        completion = await self._generate(parsed, engine_model, row, None if parsed.stream else _unstreamed_timeout(row.get("harness")))
+        body_json = dialect.render_body(parsed, completion)
+        if parsed.stream:
+            stream = dialect.render_stream(parsed, completion)
+            row["response_stream"] = stream.decode("utf-8", "replace")
+            return 200, dialect.STREAM_CONTENT_TYPE, stream, body_json
+        return 200, "application/json", json.dumps(body_json, ensure_ascii=False).encode(), body_json
+
+    async def _generate(self, parsed: ParsedRequest, engine_model: str, row: ExchangeRow, timeout: float | None = None) -> Completion:
+        """The engine call of one exchange, recorded on its row (`timeout`: this call's limit, if not the engine's).
+        Whatever it awaits (the engine, or a paused gateway in `_complete`), a streamed reply's keepalives go on."""
+        assert self.engine is not None
         engine_request = self.engine.build_request(parsed.chat, engine_model)
         if self.engine_hook is not None:
             context = {key: row.get(key) for key in ("session_id", "seq", "api", "model_requested", "harness", "path")}
             engine_request = self.engine_hook(engine_request, context) or engine_request
-        sent, raw, completion = await self._complete(parsed, engine_request, row)
+        sent, raw, completion = await self._complete(parsed, engine_request, row, timeout)
         row.update(
             # WireJSON: the store records the texts that crossed the wire, not encoded again (100+ KB of token ids)
             engine_request=sent,
@@ -403,14 +435,9 @@ class PolarAddon:
             prompt_tokens=completion.prompt_tokens,
             completion_tokens=completion.completion_tokens,
         )
-        body_json = dialect.render_body(parsed, completion)
-        if parsed.stream:
-            stream = dialect.render_stream(parsed, completion)
-            row["response_stream"] = stream.decode("utf-8", "replace")
-            return 200, dialect.STREAM_CONTENT_TYPE, stream, body_json
-        return 200, "application/json", json.dumps(body_json, ensure_ascii=False).encode(), body_json
+        return completion
 
-    async def _complete(self, parsed: ParsedRequest, engine_request: dict[str, Any], row: ExchangeRow) -> tuple[dict[str, Any], dict[str, Any], Any]:
+    async def _complete(self, parsed: ParsedRequest, engine_request: dict[str, Any], row: ExchangeRow, timeout: float | None = None) -> tuple[dict[str, Any], dict[str, Any], Any]:
         """The engine call, held while the gateway is paused; an attempt aborted for a weight update is committed
         as its own untrainable row (status 'aborted') and the call is issued again after resume."""
         assert self.engine is not None and self.store is not None
@@ -422,7 +449,7 @@ class PolarAddon:
                 if self.tokens is not None:
                     return await self.tokens.complete(parsed, request, request["model"], row, parsed.notes)
                 row.update(engine_request=request, render_mode="chat")
-                return await self.engine.complete(request, parsed.notes)
+                return await self.engine.complete(request, parsed.notes, timeout)
             finally:
                 row["engine_ended_at"] = now()
 
@@ -435,8 +462,91 @@ class PolarAddon:
                 await self.store.commit_exchange(attempt)
                 row["seq"] = self.store.next_seq(row["session_id"])
 
+    async def _stream(self, flow: http.HTTPFlow, parsed: ParsedRequest, dialect: Dialect, row: ExchangeRow) -> bool:
+        """Start a streamed reply: False if the engine call failed within STREAM_HOLD_S (the caller answers with
+        the provider's HTTP error); else the headers and opening events go out now, keepalives follow until the
+        reply is ready, and a task of its own finishes and commits the exchange."""
+        engine_model = row["model_engine"] = await self._engine_model(parsed.model)
+        call = asyncio.ensure_future(self._while_client_waits(flow, self._generate(parsed, engine_model, row)))
+        done, _ = await asyncio.wait({call}, timeout=STREAM_HOLD_S)
+        if done and call.exception() is not None:
+            call.result()  # raises: answered as a non-streamed failure
+        state = StreamState(id=f"chatcmpl-{row['exchange_id'].replace('-', '')}", created=int(time.time()))
+        reply = StreamedReply(
+            _reply_headers(dialect.STREAM_CONTENT_TYPE, row), dialect.stream_opening(parsed, state),
+            lambda: dialect.stream_keepalive(parsed, state), ctx.options.polar_keepalive_interval,
+        )
+        self.streams.route(flow, reply)
+        self._opened()  # until the task has committed the row
+        task = asyncio.get_running_loop().create_task(self._finish_stream(flow, parsed, dialect, row, call, state, reply))
+        self.stream_tasks.add(task)
+        task.add_done_callback(self.stream_tasks.discard)
+        return True
+
+    async def _finish_stream(
+        self, flow: http.HTTPFlow, parsed: ParsedRequest, dialect: Dialect, row: ExchangeRow,
+        call: asyncio.Future[Completion], state: StreamState, reply: StreamedReply,
+    ) -> None:
+        """The engine call's outcome, then the row committed, then the reply's last events (or an in-stream error)."""
+        assert self.store is not None
+        try:
+            error: DialectError | None = None
+            try:
+                completion = await call
+            except CallAbandoned as failure:
+                row.update(status=failure.status_class, error=failure.message)
+                error = DialectError(503, failure.status_class, failure.message)
+            except EngineError as failure:
+                row.update(status=failure.status_class, error=failure.message, engine_response=failure.engine_body)
+                error = failure.for_client()
+            except DialectError as failure:  # tokens mode's render errors, an unserved adapter
+                row.update(status="render_error" if isinstance(failure, RenderError) else "bad_request", error=failure.message)
+                error = failure
+            except Exception as failure:  # noqa: BLE001 - recorded and told to the client in its grammar
+                error = _internal_error(row, failure)
+            sent = reply.hold()
+            numbered = state.events
+            if error is None:
+                try:
+                    completion = dataclasses.replace(completion, id=state.id, created=state.created)  # as the opening said
+                    body_json = dialect.render_body(parsed, completion)
+                    rest = dialect.stream_body(parsed, state, completion)
+                except Exception as failure:  # noqa: BLE001 - a rendering bug: told in the stream, recorded
+                    error = _internal_error(row, failure)
+            if error is not None:
+                state.events = numbered
+                body_json, rest = dialect.error_body(error), dialect.stream_error(parsed, state, error)
+            if "status" not in row and (gone := _client_gone(flow)):
+                # the reply came back too late for its client: kept, but it never reached the harness
+                row.update(status="client_disconnected", error=gone)
+            row.update(http_status=200, response_body=body_json, response_stream=(sent + rest).decode("utf-8", "replace"), ended_at=now())
+            row.setdefault("status", "ok")
+            try:
+                await self.store.commit_exchange(row)
+            except Exception as failure:  # noqa: BLE001 - the client must not take an unrecorded reply for a recorded one
+                log.exception("polar: could not commit exchange")
+                state.events = numbered
+                rest = dialect.stream_error(parsed, state, DialectError(500, "store_error", f"polar-mitm could not record the exchange: {failure}"))
+            flow.metadata["polar_stream_sent"] = sent + rest
+            reply.finish(rest)
+        finally:
+            self._closed()
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        if self.streams.restore(flow):
+            flow.response.stream = True  # relay the loopback server's chunks as they come
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        sent = flow.metadata.pop("polar_stream_sent", None)
+        if sent is not None and flow.response is not None:
+            flow.response.content = sent  # for mitmweb and flow files; the client has had it already
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        self.streams.restore(flow)  # a route the client left before it was taken
+
     async def _engine_model(self, requested: str) -> str:
-        assert self.engine is not None
+        if self.engine is None:
+            raise EngineError("engine_unreachable", "polar-mitm has no inference engine configured (polar_upstream)", 503)
         if self.model_map:
             for pattern, target in self.model_map:
                 if fnmatch.fnmatchcase(requested, pattern):
@@ -448,6 +558,34 @@ class PolarAddon:
     def _error(dialect: Dialect, error: DialectError) -> tuple[int, str, bytes, Any]:
         body_json = dialect.error_body(error)
         return error.status, "application/json", json.dumps(body_json).encode(), body_json
+
+
+def _internal_error(row: ExchangeRow, failure: Exception) -> DialectError:
+    """A bug of ours: logged, recorded on the row, and answered in the provider's shape."""
+    log.exception("polar: internal error")
+    row.update(status="internal_error", error=f"{type(failure).__name__}: {failure}")
+    return DialectError(500, "internal_error", f"polar-mitm internal error: {type(failure).__name__}: {failure}")
+
+
+# how much sooner than the harness gives up the gateway answers a non-streamed call it cannot finish
+UNSTREAMED_MARGIN_S = 5.0
+
+
+def _unstreamed_timeout(harness: str | None) -> float | None:
+    """A non-streamed call cannot be kept alive: when the calling harness is known to give up on one sooner than
+    --engine-timeout, the engine gets until just before then, and the harness a provider-shaped 504 (recorded as
+    engine_timeout) instead of a reply it would no longer read (recorded as ok, and then retried: a duplicate)."""
+    limit = harnesses.get(harness).unstreamed_timeout if harness in harnesses.NAMES else None
+    if limit is None or limit - UNSTREAMED_MARGIN_S >= ctx.options.polar_engine_timeout:
+        return None
+    return limit - UNSTREAMED_MARGIN_S
+
+
+def _reply_headers(content_type: str, row: ExchangeRow) -> dict[str, str]:
+    headers = {"content-type": content_type, "x-polar-exchange-id": row["exchange_id"], "x-polar-session-id": row["session_id"]}
+    if content_type.startswith("text/event-stream"):
+        headers["cache-control"] = "no-cache"
+    return headers
 
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")

@@ -77,7 +77,19 @@ OPTIONS: tuple[Option, ...] = (
         "Output budgets are fitted to it, and a prompt that alone exceeds it gets the provider's context-length error.",
         "engine context length (default 0: from /models)",
     ),
-    Option("engine_timeout", float, 600.0, "Seconds to wait for one engine call before answering 504.", "seconds per engine call (default 600)"),
+    Option(
+        "engine_timeout", float, 600.0,
+        "Seconds to wait for one engine call before answering 504 (inside the stream, for a streamed call). A non-streamed "
+        "call from a harness known to give up sooner gets until 5 s before that harness's limit.",
+        "seconds per engine call (default 600)",
+    ),
+    Option(
+        "keepalive_interval", float, 5.0,
+        "Seconds between keepalive events on a streamed reply while the engine works (Anthropic ping, Responses "
+        "response.in_progress, Chat an empty-delta chunk, Gemini an empty-text chunk). Status, headers and the opening "
+        "events go out at once either way. 0: no keepalives.",
+        "seconds between a streamed reply's keepalive events while the engine works (default 5; 0: none)", metavar="SECONDS",
+    ),
     Option(
         "split_reasoning", bool, False,
         "Split a leading <think>...</think> out of the engine's content into reasoning, for engines served without a reasoning parser.",

@@ -77,6 +77,9 @@ class Harness:
     shell_argument: str = "command"
     default_model: str | None = None  # what it asks for when no model is given (None: its own default)
     needs_node: bool = True
+    # seconds the harness waits for a non-streamed call's reply before giving up (streamed calls get headers and
+    # keepalives at once); None: no limit known below the gateway's --engine-timeout
+    unstreamed_timeout: float | None = None
 
     def executable(self) -> Path:
         path = install_prefix() / "node_modules" / ".bin" / self.binary

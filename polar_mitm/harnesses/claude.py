@@ -38,6 +38,9 @@ class Claude(Harness):
     shell_tool = "Bash"
     shell_argument = "command"
     needs_node = False  # a native binary
+    # API_TIMEOUT_MS, default 600,000 ms in 2.1.332: the limit of its non-streaming requests (its fallback after a
+    # failed stream)
+    unstreamed_timeout = 600.0
 
     def arguments(self, instruction: str, model: str | None) -> list[str]:
         return ["--print", instruction, "--dangerously-skip-permissions", "--output-format", "json", *(["--model", model] if model else [])]

@@ -31,6 +31,9 @@ class Gemini(Harness):
     package = "@google/gemini-cli@0.61.0"
     shell_tool = "run_shell_command"
     shell_argument = "command"
+    # its fetch dispatcher (undici Agent/EnvHttpProxyAgent) has headersTimeout 60 s (`defaultHeadersTimeout = 6e4`
+    # in 0.61.0's bundle; only a server-side experiment flag changes it): the model router's generateContent
+    unstreamed_timeout = 60.0
 
     def arguments(self, instruction: str, model: str | None) -> list[str]:
         return ["--yolo", "--output-format", "json", *(["--model", model] if model else []), "--prompt", instruction]

@@ -31,6 +31,9 @@ class Qwen(Harness):
     package = "@qwen-code/qwen-code@0.24.4"
     shell_tool = "run_shell_command"
     shell_argument = "command"
+    # its OpenAI SDK timeout (generationConfig.timeout, QWEN_CODE_API_TIMEOUT_MS; default 120,000 ms) covers
+    # connect and the reply's headers of every call
+    unstreamed_timeout = 120.0
     default_model = "qwen3-coder-plus"
 
     def arguments(self, instruction: str, model: str | None) -> list[str]:

@@ -137,11 +137,16 @@ def test_row_is_committed_before_the_reply(gateway: Gateway, session_id: str) ->
     with httpx.Client(proxy=gateway.proxy_url(session_id), verify=gateway.ssl_context(), trust_env=False) as client:
         with client.stream("POST", "https://api.openai.com/v1/chat/completions", json=body, headers={"authorization": "Bearer sk-x"}) as response:
             exchange_id = response.headers["x-polar-exchange-id"]
-            # headers are in, the body not yet read: the row must already be durable
+            # headers and the opening chunk come at once (streamed replies start before the engine answers); once
+            # any event after the opening is in, the row must already be durable
+            events = (line for line in response.iter_lines() if line.startswith("data: "))
+            opening = json.loads(next(events).removeprefix("data: "))
+            assert opening["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+            rest = [next(events)]
             rows = gateway.rows("SELECT status, completion_token_ids FROM exchanges WHERE exchange_id = ?", [exchange_id])
             assert rows and rows[0]["status"] == "ok" and rows[0]["completion_token_ids"]
-            text = b"".join(response.iter_bytes()).decode()
-    assert text.startswith("data: ") and text.rstrip().endswith("data: [DONE]")
+            rest += list(events)
+    assert rest[-1] == "data: [DONE]"
 
 
 def _post(gateway: Gateway, session_id: str, body: bytes | dict, path: str = "/v1/chat/completions", host: str = "api.openai.com") -> httpx.Response:
@@ -194,11 +199,21 @@ def test_engine_failures_are_surfaced_and_recorded(make_gateway, session_id: str
         gateway = make_gateway("--engine-timeout", "1", upstream=standin.url)
         expected = (504, "engine_timeout", "did not answer")
     try:
-        body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "stream": True}
-        for _ in range(2):  # twice: the gateway keeps serving after a failure
-            assert_openai_error(_post(gateway, session_id, body), expected[0], expected[2])
+        body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+        in_stream = failure != "down"  # a streamed reply's headers go out before the engine is called (an unreachable engine fails discovery first)
+        for stream in (False, True):  # and the gateway keeps serving after a failure
+            response = _post(gateway, session_id, {**body, "stream": stream})
+            if stream and in_stream:
+                # the error inside the stream, in OpenAI's grammar: a data line with an `error` object, no [DONE]
+                assert response.status_code == 200, response.text
+                *_, last = [line for line in response.text.splitlines() if line.startswith("data: ")]
+                error = json.loads(last.removeprefix("data: "))["error"]
+                assert error["code"] == expected[1] and expected[2] in error["message"] and error["type"] == "server_error"
+            else:
+                assert_openai_error(response, expected[0], expected[2])
         rows = gateway.exchanges(session_id)
         assert [r["status"] for r in rows] == [expected[1]] * 2
+        assert [r["http_status"] for r in rows] == [expected[0], 200 if in_stream else expected[0]]
         assert all(expected[2] in r["error"] for r in rows)
     finally:
         if standin:

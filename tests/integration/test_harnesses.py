@@ -47,12 +47,14 @@ def installed() -> float:
     return elapsed
 
 
-def run_harness(gateway, name: str, session_id: str, tmp_path: Path) -> subprocess.CompletedProcess:
+def run_harness(gateway, name: str, session_id: str, tmp_path: Path, subcommand_options: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """`subcommand_options` go right after the harness's subcommand (Codex's `exec -c key=value`)."""
     harness = harnesses.get(name)
     try:
         argv = harness.command(INSTRUCTION, harness.default_model)
     except harnesses.HarnessNotInstalled as error:
         pytest.skip(str(error))
+    argv[2:2] = subcommand_options
     workspace, home = tmp_path / "workspace", tmp_path / "home"
     workspace.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in STRIPPED}

@@ -1,7 +1,8 @@
-"""Stand-in upstreams for failures the real engine cannot be made to produce on demand (HTTP 500, a hang).
+"""Stand-in upstreams for what the real engine cannot be made to do on demand (HTTP 500, a hang, a slow answer).
 
-These are fakes, named as such: they exist only to show how the gateway behaves when its engine fails.
-Every successful path in the tests uses the real vLLM engine.
+These are fakes, named as such: they exist only to show how the gateway behaves when its engine fails or is slow.
+Every successful path in the tests uses the real vLLM engine, except the streamed-reply SDK tests, which need an
+engine that takes 30 s (SlowStandinEngine); DelayedEngineRelay slows the real engine down instead.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import json
 import threading
 import time
+import urllib.error
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 # The reply shape of SGLang >= 0.5.13's /v1/chat/completions with return_meta_info and
@@ -39,7 +42,9 @@ class _Handler(BaseHTTPRequestHandler):
     delay = 0.0
 
     def _reply(self, status: int, payload: dict) -> None:
-        data = json.dumps(payload).encode()
+        self._send(status, json.dumps(payload).encode())
+
+    def _send(self, status: int, data: bytes) -> None:
         self.send_response(status)
         self.send_header("content-type", "application/json")
         self.send_header("content-length", str(len(data)))
@@ -63,12 +68,10 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
 
-class StandinUpstream:
-    """`mode="sglang"` answers like SGLang; `mode="500"` answers every completion with HTTP 500; `mode="hang"` answers
-    after `delay` seconds."""
+class _Served:
+    """A handler class served on a free loopback port in a thread; `url` is its OpenAI base URL."""
 
-    def __init__(self, mode: str, delay: float = 0.0):
-        handler = type("Handler", (_Handler,), {"mode": mode, "delay": delay})
+    def __init__(self, handler: type[BaseHTTPRequestHandler]):
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
@@ -77,3 +80,100 @@ class StandinUpstream:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+class StandinUpstream(_Served):
+    """`mode="sglang"` answers like SGLang; `mode="500"` answers every completion with HTTP 500; `mode="hang"` answers
+    after `delay` seconds."""
+
+    def __init__(self, mode: str, delay: float = 0.0):
+        super().__init__(type("Handler", (_Handler,), {"mode": mode, "delay": delay}))
+
+
+# -- slow engines, for streamed replies that must survive a long wait (issue 18)
+
+SLOW_TEXT = "The slow stand-in engine answers."
+SLOW_ARGUMENTS = '{"value": "42"}'
+
+
+def slow_reply(request: dict) -> dict:
+    """A vLLM-shaped reply (token ids, logprobs): a fixed text, and a call of the first offered tool if any."""
+    tools = request.get("tools") or []
+    message: dict = {"role": "assistant", "content": SLOW_TEXT, "reasoning_content": None, "tool_calls": []}
+    if tools:
+        message["tool_calls"] = [{"id": "chatcmpl-tool-5l0w", "type": "function", "function": {"name": tools[0]["function"]["name"], "arguments": SLOW_ARGUMENTS}}]
+    tokens = ["The", " slow", " stand", "-in", " engine", " answers", "."]
+    return {
+        "id": "chatcmpl-slowstandin",
+        "object": "chat.completion",
+        "created": 1795950000,
+        "model": "standin",
+        "prompt_token_ids": [151644, 872, 198, 6023, 151645, 198, 151644, 77091, 198],
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "logprobs": {"content": [{"token": t, "logprob": -0.5, "bytes": list(t.encode()), "top_logprobs": []} for t in tokens]},
+                "finish_reason": "tool_calls" if tools else "stop",
+                "token_ids": [785, 6301, 2498, 3419, 4712, 11253, 13],
+            }
+        ],
+        "usage": {"prompt_tokens": 9, "completion_tokens": 7, "total_tokens": 16},
+    }
+
+
+class _SlowHandler(_Handler):
+    failures: list[int] = [0]  # how many of the next completions fail (shared by the server's threads)
+
+    def do_POST(self) -> None:  # noqa: N802
+        request = json.loads(self.rfile.read(int(self.headers.get("content-length") or 0)) or b"{}")
+        time.sleep(self.delay)
+        with self.lock:
+            fail = self.failures[0] > 0
+            self.failures[0] -= fail
+        if fail:
+            self._reply(500, {"object": "error", "message": "stand-in engine failure after its delay", "type": "InternalServerError", "code": 500})
+        else:
+            self._reply(200, slow_reply(request))
+
+
+class SlowStandinEngine(_Served):
+    """A stand-in engine that answers each chat completion after `delay` seconds with `slow_reply`; the first
+    `failures` completions (all, with `fail=True`) get HTTP 500 instead. Named as a stand-in: no real engine can be
+    made slow or failing on demand, and the SDK tests must not depend on one."""
+
+    def __init__(self, delay: float = 0.0, fail: bool = False, failures: int = 0):
+        attributes = {"delay": delay, "failures": [10**9 if fail else failures], "lock": threading.Lock()}
+        super().__init__(type("SlowHandler", (_SlowHandler,), attributes))
+
+
+class _RelayHandler(_Handler):
+    target = ""
+    delay = 0.0
+
+    def _forward(self, method: str) -> None:
+        body = self.rfile.read(int(self.headers.get("content-length") or 0)) if method == "POST" else None
+        if method == "POST" and self.path.endswith("/chat/completions"):
+            time.sleep(self.delay)
+        request = urllib.request.Request(self.target + self.path, data=body, method=method, headers={"content-type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=600) as response:
+                status, data = response.status, response.read()
+        except urllib.error.HTTPError as error:
+            status, data = error.code, error.read()
+        self._send(status, data)
+
+    def do_GET(self) -> None:  # noqa: N802
+        self._forward("GET")
+
+    def do_POST(self) -> None:  # noqa: N802
+        self._forward("POST")
+
+
+class DelayedEngineRelay(_Served):
+    """In front of the real engine: every chat completion is forwarded after `delay` seconds, unchanged (the reply
+    is the real engine's, token ids and all). Stands in for a busy engine or a long prefill."""
+
+    def __init__(self, engine_url: str, delay: float):
+        root = engine_url.rstrip("/").removesuffix("/v1")
+        super().__init__(type("RelayHandler", (_RelayHandler,), {"target": root, "delay": delay}))

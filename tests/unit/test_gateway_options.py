@@ -38,7 +38,7 @@ def _values(tmp_path: Path) -> dict[str, Any]:
         "engine_timeout": 12.5, "engine_max_model_len": 32768, "split_reasoning": True, "model_map": ["gpt-*=served"], "require_auth": True,
         "passthrough": ["*.example.org"], "engine_hook": f"{hook}:hook", "sql_port": free_port(),
         "render": "tokens", "render_model": str(tmp_path / "model"), "tool_parser": "qwen3_coder",
-        "policy_version": 7, "control_token": "t0k",
+        "policy_version": 7, "control_token": "t0k", "keepalive_interval": 2.5,
     }
 
 
