@@ -200,7 +200,9 @@ def test_engine_failures_are_surfaced_and_recorded(make_gateway, session_id: str
         expected = (504, "engine_timeout", "did not answer")
     try:
         body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
-        in_stream = failure != "down"  # a streamed reply's headers go out before the engine is called (an unreachable engine fails discovery first)
+        # a failure within the gateway's first 0.3 s (an unreachable engine, an HTTP 500 at once) is still the HTTP
+        # error; one after the headers went out (the engine timing out after 1 s) is told inside the stream
+        in_stream = failure == "timeout"
         for stream in (False, True):  # and the gateway keeps serving after a failure
             response = _post(gateway, session_id, {**body, "stream": stream})
             if stream and in_stream:
@@ -351,6 +353,7 @@ def test_a_failed_commit_is_answered_500_never_200(tmp_path, engine_url: str) ->
         addon = PolarAddon()
         with taddons.context(proxyserver.Proxyserver(), addon) as tctx:
             tctx.configure(addon, polar_upstream=engine_url, polar_db=str(tmp_path / "store.duckdb"), confdir=str(tmp_path / "confdir"))
+            await addon.running()  # the store opens once the gateway runs
             try:
                 ok = await exchange(addon)
                 assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["role"] == "assistant"
