@@ -25,6 +25,7 @@ from mitmproxy import ctx, exceptions, http
 from polar_mitm import dialects, redact, session
 from polar_mitm.engines import make_engine
 from polar_mitm.engines.base import Engine
+from polar_mitm.engines.router import CURRENT_SESSION
 from polar_mitm.exchange import DialectError, EngineError, ParsedRequest
 from polar_mitm.run_cli import GATEWAY_FILE
 from polar_mitm.store import Store, now
@@ -82,8 +83,8 @@ class PolarAddon:
             ctx.options.connection_strategy = "lazy"
         if "polar_upstream" in updated or "polar_engine" in updated or "polar_engine_model" in updated or "polar_engine_timeout" in updated or "polar_split_reasoning" in updated:
             upstream = ctx.options.polar_upstream
-            if upstream and not upstream.startswith(("http://", "https://")):
-                raise exceptions.OptionsError(f"polar_upstream must be an http(s) URL, got {upstream!r}")
+            if upstream and not all(url.strip().startswith(("http://", "https://")) for url in upstream.split(",")):
+                raise exceptions.OptionsError(f"polar_upstream must be an http(s) URL (or several, comma-separated), got {upstream!r}")
             if ctx.options.polar_engine not in ("vllm", "sglang"):
                 raise exceptions.OptionsError(f"polar_engine must be vllm or sglang, got {ctx.options.polar_engine!r}")
             if ctx.options.polar_engine_timeout <= 0:
@@ -191,6 +192,7 @@ class PolarAddon:
     async def _exchange(self, flow: http.HTTPFlow, dialect: Any, path: str) -> None:
         assert self.store is not None
         session_id = flow.metadata.get("polar_session") or session.DEFAULT_SESSION
+        CURRENT_SESSION.set(session_id)  # an EngineRouter keeps the session on one engine
         headers = list(flow.request.headers.items(multi=True))
         query = list(flow.request.query.items(multi=True))
         secrets_seen = redact.secret_values(headers, query)
