@@ -33,6 +33,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve = commands.add_parser("serve", help="run the rollout HTTP API with its own gateway node")
     serve.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"API port on 127.0.0.1 (default {DEFAULT_PORT})")
     _node_arguments(serve)
+    serve.add_argument(
+        "--ray", nargs="?", const="auto", metavar="ADDRESS",
+        help="scale out: one gateway node per Ray node with the polar_node resource (ADDRESS: the Ray cluster, default auto); each node's store is <db stem>.<node>.duckdb",
+    )
+    serve.add_argument("--head-db", type=Path, help="--ray: the head's durable store of tasks, sessions and callbacks (default <db stem>.head.duckdb)")
     serve.set_defaults(func=_serve, hosts_proxy=True)
 
     submit = commands.add_parser("submit", help="submit a task file to a running rollout server")
@@ -48,10 +53,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _node_arguments(parser: argparse.ArgumentParser, upstream_required: bool = True) -> None:
+    several = "; repeat it for several engines (each session stays on one, new sessions go to the least busy)"
     if upstream_required:
-        parser.add_argument("--upstream", required=True, help="engine base URL, e.g. http://127.0.0.1:8011/v1")
+        parser.add_argument("--upstream", required=True, action="append", help=f"engine base URL, e.g. http://127.0.0.1:8011/v1{several}")
     else:
-        parser.add_argument("--upstream", help="engine base URL (default: the local engine, started or reused as by `polar-mitm engine start`)")
+        parser.add_argument("--upstream", action="append", help=f"engine base URL (default: the local engine, started or reused as by `polar-mitm engine start`){several}")
     parser.add_argument("--db", type=Path, default=Path("polar.duckdb"), help="DuckDB store (default polar.duckdb)")
     parser.add_argument("--confdir", default=DEFAULT_CONFDIR, help=f"the gateway's confdir: CA and session secret (default {DEFAULT_CONFDIR})")
     parser.add_argument("--gateway-port", type=int, default=0, help="the node's gateway proxy port (default: a free one)")
@@ -68,8 +74,9 @@ def _node_config(args: argparse.Namespace):
     from polar_mitm.rollout.node import NodeConfig
     from polar_mitm.rollout.scheduler import StageLimits
 
+    upstream = args.upstream if isinstance(args.upstream, str) else ",".join(args.upstream)
     return NodeConfig(
-        upstream=args.upstream, db=args.db, confdir=args.confdir, gateway_port=args.gateway_port, engine=args.engine,
+        upstream=upstream, db=args.db, confdir=args.confdir, gateway_port=args.gateway_port, engine=args.engine,
         engine_model=args.engine_model, engine_hook=args.engine_hook, output_dir=args.output, verbose=args.verbose,
         limits=StageLimits(prepare=args.prepare_limit, run=args.run_limit, build=args.build_limit, evaluate=args.evaluate_limit),
     )
@@ -80,7 +87,13 @@ def _uvicorn_server(args: argparse.Namespace, port: int):
 
     from polar_mitm.rollout.server import create_app
 
-    return uvicorn.Server(uvicorn.Config(create_app(_node_config(args)), host="127.0.0.1", port=port, log_level="info" if args.verbose else "warning", timeout_graceful_shutdown=10))
+    if getattr(args, "ray", None):
+        from polar_mitm.rollout.ray_cluster import ClusterConfig, create_ray_app
+
+        app = create_ray_app(ClusterConfig(address=args.ray, node=_node_config(args), head_db=args.head_db))
+    else:
+        app = create_app(_node_config(args))
+    return uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="info" if args.verbose else "warning", timeout_graceful_shutdown=10))
 
 
 def _serve(args: argparse.Namespace) -> int:
