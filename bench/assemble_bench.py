@@ -2,8 +2,8 @@
 
     .venv/bin/python bench/assemble_bench.py [--sessions 10000] [--turns 30] [--db /tmp/assemble-bench.duckdb]
 
-The store has the real schema (polar_mitm.store), filled with store.add_segment (Parquet segments), not through a gateway.
-Each session is an agent loop shaped like a harness run: a 400-token system prompt + tools, then `turns`
+The store has the real schema (polar_mitm.store), filled with store.add_segment (Parquet segments), not through a
+gateway. Each session is an agent loop shaped like a harness run: a 400-token system prompt + tools, then `turns`
 calls, each sampling 40 tokens (the last one an end-of-turn token) and getting a 60-token tool result.
 Besides the main lineage every session has a side call (a title request after turn 1) and an SDK retry
 (turn 10 sent twice); every 10th session has its history rewritten at turn 15 (a break). Token ids are

@@ -3,7 +3,7 @@
     .venv/bin/python docs/mitmweb_screenshot.py [ENGINE_URL]      (needs `apt-get install chromium`)
 
 Runs `polar-mitm gateway --web` against the engine (default: the local one), sends one Claude-Code-shaped tool
-turn through it (tests/debug_run.py), and has headless Chromium open the second request and the first response.
+turn through it (tests/support/debug_run.py), and has headless Chromium open the second request and the first response.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests import debug_run  # noqa: E402
-from tests.gatewayproc import Gateway, free_port  # noqa: E402
+from polar_mitm.util import free_port  # noqa: E402
+from tests.support import debug_run  # noqa: E402
+from tests.support.gatewayproc import Gateway  # noqa: E402
 
 SHOTS = {"request": ("mitmweb-llm-request.png", 1, 1480), "response": ("mitmweb-llm-response.png", 0, 1000)}
 

@@ -1,4 +1,5 @@
-"""Engine hook that makes the tiny random-weight test model act like a policy (`--engine-hook examples/steer_tiny_model.py:steer`).
+"""Engine hook that makes the tiny random-weight test model act like a policy
+(`--engine-hook examples/steer_tiny_model.py:steer`).
 
 Used by the README's main job and the rollout tests; a real policy needs no hook.
 

@@ -7,9 +7,27 @@ from typing import Any
 
 from polar_mitm.errors import DialectError, EngineError
 
-__all__ = ["DialectError", "EngineError", "ParsedRequest", "ToolCall", "Completion"]
+__all__ = ["Completion", "DialectError", "EngineError", "Notes", "ParsedRequest", "ToolCall"]
 
 
+@dataclass
+class Notes:
+    """What a dialect left out of the engine request (`ignored`: request paths) or changed on the way
+    (`normalizations`: one sentence each). Stored as they are, in this order, in the exchange row's
+    `ignored_fields` and `normalizations` columns, and shown by the content view."""
+
+    ignored: list[str] = field(default_factory=list)
+    normalizations: list[str] = field(default_factory=list)
+
+    def ignore(self, path: str) -> None:
+        self.ignored.append(path)
+
+    def normalize(self, text: str) -> None:
+        self.normalizations.append(text)
+
+    def ignore_unknown(self, data: dict[str, Any], known: set[str], where: str) -> None:
+        """Every key of `data` (found at `where`) outside `known`."""
+        self.ignored += [f"{where}.{key}" for key in data if key not in known]
 
 
 @dataclass
@@ -20,13 +38,21 @@ class ParsedRequest:
     model: str
     stream: bool
     chat: dict[str, Any]
-    ignored: list[str] = field(default_factory=list)
-    # what the dialect changed on the way (e.g. developer->system), recorded with the row
-    normalizations: list[str] = field(default_factory=list)
+    # what the dialect ignored or changed on the way (e.g. developer->system), recorded with the row
+    notes: Notes = field(default_factory=Notes)
     # dialect-private facts the renderer needs (include_usage, requested logprobs, ...)
     render: dict[str, Any] = field(default_factory=dict)
     # "generate" calls the engine for a completion; "count_tokens" only tokenizes
     action: str = "generate"
+
+    # the row's `ignored_fields` and `normalizations` columns
+    @property
+    def ignored(self) -> list[str]:
+        return self.notes.ignored
+
+    @property
+    def normalizations(self) -> list[str]:
+        return self.notes.normalizations
 
 
 @dataclass

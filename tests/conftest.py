@@ -28,7 +28,8 @@ def engine_url() -> Iterator[str]:
         engine.stop()
 
 
-from tests.gatewayproc import Gateway, free_port  # noqa: E402
+from polar_mitm.util import free_port  # noqa: E402
+from tests.support.gatewayproc import Gateway  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -65,8 +66,8 @@ def session_id(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture(scope="session")
 def debug_store(engine_url: str, tmp_path_factory: pytest.TempPathFactory):
-    """A small real run for the debugging tools (tests/debug_run.py): harness-shaped SDK sessions on two tasks,
+    """A small real run for the debugging tools (tests/support/debug_run.py): harness-shaped SDK sessions on two tasks,
     two sessions that break on purpose, rewards recorded, trajectories assembled; the gateway has stopped."""
-    from tests import debug_run
+    from tests.support import debug_run
 
     return debug_run.build(engine_url, tmp_path_factory.mktemp("debug_run"))

@@ -11,23 +11,45 @@ Polar-style, not token-faithful variant for comparison). Only exchanges with sta
 'generate' and no replay flag are trajectory material. The store is read through `polar_mitm.store.query`,
 so this works while a gateway writes to it; pass `store=` (an open `polar_mitm.store.Store`) when running
 in the gateway's own process. For runs too large to hold in memory, iterate `Assembler(...).batches()`.
-`polar-mitm assemble` (cli.py) writes Parquet and the store's `trajectories` table (export.py).
+`polar-mitm assemble` (polar_mitm/cli/assemble.py) writes Parquet and the store's `trajectories` table (export.py).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 from polar_mitm.assembler import per_request, prefix_merging, rewards, source
+from polar_mitm.assembler.chain import Chain
 from polar_mitm.assembler.diagnosis import Diagnoser
-from polar_mitm.assembler.records import Assembly, AssemblyStats, BreakDiagnosis, GroupStats, Sequence
+from polar_mitm.assembler.records import (
+    Assembly,
+    AssemblyStats,
+    BreakDiagnosis,
+    GroupStats,
+    Sequence,
+)
+from polar_mitm.errors import ConfigError
+from polar_mitm.registry import Registry
 from polar_mitm.store import Store
 
-__all__ = ["Assembler", "Assembly", "AssemblyStats", "BreakDiagnosis", "GroupStats", "Sequence", "assemble", "BUILDERS"]
+__all__ = ["BUILDERS", "Assembler", "Assembly", "AssemblyStats", "BreakDiagnosis", "Builder", "GroupStats", "Sequence", "assemble"]
 
-BUILDERS = (per_request.NAME, prefix_merging.NAME)
+
+class Builder(Protocol):
+    """A trajectory builder: one module that turns one session's exchanges (seq order) into chains."""
+
+    NAME: str  # the `--builder` value
+    SUPPORTS_LENIENT: bool  # whether `lenient=True` means anything to it
+
+    def build_session(self, exchanges: list[source.Exchange], diagnoser: Diagnoser, lenient: bool = False) -> list[Chain]:
+        """Every sampled token of `exchanges` in exactly one chain; `diagnoser` explains why a chain breaks."""
+        ...
+
+
+_MODULES: tuple[Builder, ...] = (per_request, prefix_merging)
+BUILDERS: Registry[Builder] = Registry("builder", {module.NAME: module for module in _MODULES})
 
 
 class Assembler:
@@ -46,10 +68,9 @@ class Assembler:
         store: Store | None = None,
         batch_tokens: int = source.BATCH_TOKENS,
     ):
-        if builder not in BUILDERS:
-            raise ValueError(f"unknown builder {builder!r}; choose one of {', '.join(BUILDERS)}")
-        if lenient and builder != prefix_merging.NAME:
-            raise ValueError("lenient applies to the prefix_merging builder only")
+        self.build = BUILDERS.get(builder)  # ConfigError (a ValueError) naming the builders
+        if lenient and not self.build.SUPPORTS_LENIENT:
+            raise ConfigError(f"lenient applies to the {prefix_merging.NAME} builder only")
         self.builder = builder
         self.session = session
         self.lenient = lenient
@@ -79,7 +100,7 @@ class Assembler:
             batch = []
             for session_id in session_ids:
                 exchanges = by_session.get(session_id, [])
-                for chain in self._build(exchanges):
+                for chain in self.build.build_session(exchanges, self.diagnoser, lenient=self.lenient):
                     sequence = chain.to_sequence(scores[session_id])
                     self._count(chain, sequence)
                     batch.append(sequence)
@@ -89,12 +110,7 @@ class Assembler:
             yield batch
         self.stats.tokenizer = self.diagnoser.tokenizer.name if self.diagnoser.tokenizer else None
 
-    def _build(self, exchanges: list[source.Exchange]) -> list[Any]:
-        if self.builder == per_request.NAME:
-            return per_request.build_session(exchanges)
-        return prefix_merging.build_session(exchanges, self.diagnoser, lenient=self.lenient)
-
-    def _count(self, chain: Any, sequence: Sequence) -> None:
+    def _count(self, chain: Chain, sequence: Sequence) -> None:
         stats = self.stats
         stats.sequences += 1
         stats.merged_exchanges += len(chain.exchanges) - 1

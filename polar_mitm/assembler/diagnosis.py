@@ -88,7 +88,7 @@ def _byte_decoder() -> dict[str, int]:
             printable.append(byte)
             chars.append(256 + extra)
             extra += 1
-    return {chr(c): b for b, c in zip(printable, chars)}
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
 
 
 _UNICODE_TO_BYTE = _byte_decoder()

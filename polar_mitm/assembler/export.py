@@ -30,48 +30,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from polar_mitm import views
 from polar_mitm.assembler.records import Sequence
-from polar_mitm.store import Store
-
-TABLE = "trajectories"
-
-SCHEMA = pa.schema(
-    [
-        ("sequence_id", pa.string()),
-        ("builder", pa.string()),
-        ("session_id", pa.string()),
-        ("task_id", pa.string()),
-        ("group_id", pa.string()),
-        ("input_ids", pa.list_(pa.int32())),
-        ("loss_mask", pa.list_(pa.int8())),
-        ("rollout_logprobs", pa.list_(pa.float64())),
-        ("prompt_len", pa.int32()),
-        ("sampled_tokens", pa.int32()),
-        ("n_exchanges", pa.int32()),
-        ("exchange_ids", pa.list_(pa.string())),
-        ("exchange_seqs", pa.list_(pa.int32())),
-        ("finish_reason", pa.string()),
-        ("break_kind", pa.string()),
-        ("break_index", pa.int32()),
-        ("break_region", pa.string()),
-        ("break_from", pa.string()),
-        ("break_exchange_id", pa.string()),
-        ("break_detail", pa.string()),
-        ("retry_of", pa.string()),
-        ("faithful", pa.bool_()),
-        ("reward", pa.float64()),
-        ("advantage", pa.float64()),
-        ("trainable", pa.bool_()),
-        ("no_signal", pa.bool_()),
-        ("session_status", pa.string()),
-        ("session_metadata", pa.string()),
-        ("api", pa.string()),
-        ("harness", pa.string()),
-        ("model_requested", pa.string()),
-        ("model_engine", pa.string()),
-    ]
-)
+from polar_mitm.store import Store, views
+from polar_mitm.store.schema import TRAJECTORIES as TABLE
+from polar_mitm.store.schema import TRAJECTORIES_SCHEMA as SCHEMA
 
 TOKEN_COLUMNS = ("input_ids", "loss_mask", "rollout_logprobs")
 _PLAIN = [name for name in SCHEMA.names if not name.startswith("break_") and name not in TOKEN_COLUMNS]

@@ -8,12 +8,15 @@ the sampled ids, rollout_logprobs holds their logprobs. A sample of a prompt alr
 from __future__ import annotations
 
 from polar_mitm.assembler.chain import Chain
+from polar_mitm.assembler.diagnosis import Diagnoser
 from polar_mitm.assembler.source import Exchange, prompt_key
 
 NAME = "per_request"
+SUPPORTS_LENIENT = False
 
 
-def build_session(exchanges: list[Exchange]) -> list[Chain]:
+def build_session(exchanges: list[Exchange], diagnoser: Diagnoser | None = None, lenient: bool = False) -> list[Chain]:
+    """One chain per exchange (nothing merges, so nothing breaks: `diagnoser` and `lenient` are not used)."""
     first_with_prompt: dict[bytes, Exchange] = {}
     chains = []
     for exchange in exchanges:

@@ -36,6 +36,7 @@ from polar_mitm.assembler.source import Exchange, prompt_key
 
 NAME = "prefix_merging"
 LENIENT_NAME = "prefix_merging_lenient"
+SUPPORTS_LENIENT = True
 NATURAL_STOPS = ("stop", "tool_calls")
 
 

@@ -70,7 +70,8 @@ class Sequence(BaseModel):
     advantage: float | None = None
     trainable: bool = True
     no_signal: bool = Field(False, description="the session's group has no reward variance: its advantages are 0")
-    # (input_ids, loss_mask, rollout_logprobs) as numpy arrays, when the assembler built it: Parquet is written from these
+    # (input_ids, loss_mask, rollout_logprobs) as numpy arrays, when the assembler built it:
+    # Parquet is written from these
     _arrays: Any = PrivateAttr(default=None)
 
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 from polar_mitm.assembler.records import GroupStats
 from polar_mitm.assembler.source import SessionInfo
+from polar_mitm.store.schema import COMPLETED_STATUSES
 
-COMPLETED_STATUSES = frozenset({"completed", "complete", "success", "succeeded", "done", "ok", "finished"})
 EPSILON = 1e-6
 
 
@@ -114,7 +114,7 @@ def score_sessions(
     for group, session_ids_in_group in members.items():
         counted = [s for s in session_ids_in_group if scores[s].trainable and scores[s].reward is not None]
         mean, std, no_signal, values = group_advantages([scores[s].reward for s in counted])
-        for session_id, value in zip(counted, values):
+        for session_id, value in zip(counted, values, strict=True):
             scores[session_id].advantage = value
         for session_id in session_ids_in_group:
             scores[session_id].no_signal = no_signal

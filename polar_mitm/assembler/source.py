@@ -21,8 +21,8 @@ import numpy as np
 import pyarrow as pa
 
 from polar_mitm import store
+from polar_mitm.store.schema import MATERIAL
 
-MATERIAL = "status = 'ok' AND coalesce(action, 'generate') = 'generate' AND NOT coalesce(replay, false) AND prompt_token_ids IS NOT NULL"
 # exchange tokens per batch: bounds what one batch holds in memory and what one SQL-endpoint answer carries
 BATCH_TOKENS = 8_000_000
 
@@ -77,11 +77,7 @@ class Reader:
     def arrow(self, sql: str, params: list[Any] | None = None) -> pa.Table | None:
         """The result as Arrow when the file can be read directly; None when only the gateway can answer."""
         if self.store_object is not None:
-            cursor = self.store_object.con.cursor()
-            try:
-                return cursor.sql(sql, params=params or []).to_arrow_table()
-            finally:
-                cursor.close()
+            return self.store_object.arrow(sql, params)
         try:
             con = duckdb.connect(str(self.db_path), read_only=True)
         except duckdb.IOException:
@@ -147,7 +143,7 @@ def load_exchanges(read: Reader, session_ids: list[str]) -> dict[str, list[Excha
         columns = [table.column(n).to_pylist() if n else None for n in names]
         plain = [[c[i] if c else None for c in columns] for i in range(table.num_rows)]
     out: dict[str, list[Exchange]] = {}
-    for row, prompt, completion, logprob in zip(plain, prompts, completions, logprobs):
+    for row, prompt, completion, logprob in zip(plain, prompts, completions, logprobs, strict=True):
         if len(logprob) != len(completion):
             # the gateway refuses such replies; a store written by something else must not misalign the mask
             raise ValueError(f"exchange {row[0]}: {len(completion)} sampled tokens but {len(logprob)} logprobs")

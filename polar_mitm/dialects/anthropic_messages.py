@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
 from typing import Any
 
 from polar_mitm.dialects import reasoning
-from polar_mitm.dialects.common import expect, load_json_object, sse
-from polar_mitm.exchange import Completion, DialectError, ParsedRequest
+from polar_mitm.dialects._api import Reply, error_text
+from polar_mitm.dialects.common import SSEEvent, expect, load_json_object, sse
+from polar_mitm.exchange import Completion, DialectError, Notes, ParsedRequest
 
 API = "anthropic_messages"
 STREAM_CONTENT_TYPE = "text/event-stream; charset=utf-8"
@@ -42,22 +42,11 @@ def _bad(message: str, param: str | None = None) -> DialectError:
     return DialectError(400, "invalid_request_error", message, param)
 
 
-@dataclass
-class _Notes:
-    """What the translation left out (`ignored`) or changed (`normalizations`), by request path."""
-
-    ignored: list[str] = field(default_factory=list)
-    normalizations: list[str] = field(default_factory=list)
-
-    def extra_keys(self, block: dict[str, Any], known: set[str], where: str) -> None:
-        self.ignored += [f"{where}.{key}" for key in block if key not in known]
-
-
 def parse(body: bytes, path: str = "", query: dict[str, str] | None = None) -> ParsedRequest:
     data = load_json_object(body)
     counting = path.endswith("/count_tokens")
     model = expect(data, "model", str, required=True)
-    notes = _Notes()
+    notes = Notes()
     chat: dict[str, Any] = {}
     if counting:
         # count_tokens takes no sampling fields
@@ -99,14 +88,13 @@ def parse(body: bytes, path: str = "", query: dict[str, str] | None = None) -> P
         model=model,
         stream=stream,
         chat=chat,
-        ignored=notes.ignored,
-        normalizations=notes.normalizations,
+        notes=notes,
         render={"thinking_display": thinking_display},
         action="count_tokens" if counting else "generate",
     )
 
 
-def _thinking(thinking: dict[str, Any] | None, chat: dict[str, Any], notes: _Notes) -> str | None:
+def _thinking(thinking: dict[str, Any] | None, chat: dict[str, Any], notes: Notes) -> str | None:
     """Anthropic's thinking switch -> the chat template's `enable_thinking`; absent: the engine's default."""
     if thinking is None:
         return None
@@ -119,11 +107,11 @@ def _thinking(thinking: dict[str, Any] | None, chat: dict[str, Any], notes: _Not
     chat["chat_template_kwargs"] = {"enable_thinking": kind != "disabled"}
     notes.normalizations.append(f"thinking.type {kind} -> chat_template_kwargs.enable_thinking={kind != 'disabled'}")
     # the engine has no per-request thinking budget we rely on; the budget is recorded, not enforced
-    notes.extra_keys(thinking, {"type", "display"}, "thinking")
+    notes.ignore_unknown(thinking, {"type", "display"}, "thinking")
     return display
 
 
-def _system(system: Any, notes: _Notes) -> dict[str, Any] | None:
+def _system(system: Any, notes: Notes) -> dict[str, Any] | None:
     if system is None:
         return None
     if isinstance(system, str):
@@ -140,16 +128,16 @@ def _block(block: Any, where: str) -> tuple[dict[str, Any], str]:
     return block, block["type"]
 
 
-def _text_part(block: Any, where: str, notes: _Notes) -> dict[str, Any]:
+def _text_part(block: Any, where: str, notes: Notes) -> dict[str, Any]:
     block, kind = _block(block, where)
     if kind != "text":
         raise _bad(f"{where}.type: expected a text block, got {kind!r}", f"{where}.type")
     text = expect(block, "text", str, required=True, where=f"{where}.")
-    notes.extra_keys(block, {"type", "text"}, where)
+    notes.ignore_unknown(block, {"type", "text"}, where)
     return {"type": "text", "text": text}
 
 
-def _image_part(block: dict[str, Any], where: str, notes: _Notes) -> dict[str, Any]:
+def _image_part(block: dict[str, Any], where: str, notes: Notes) -> dict[str, Any]:
     source = expect(block, "source", dict, required=True, where=f"{where}.")
     kind = source.get("type")
     if kind == "base64":
@@ -160,7 +148,7 @@ def _image_part(block: dict[str, Any], where: str, notes: _Notes) -> dict[str, A
         url = expect(source, "url", str, required=True, where=f"{where}.source.")
     else:
         raise _bad(f"{where}.source.type: image sources of type {kind!r} are not supported (base64 or url)", f"{where}.source.type")
-    notes.extra_keys(block, {"type", "source"}, where)
+    notes.ignore_unknown(block, {"type", "source"}, where)
     return {"type": "image_url", "image_url": {"url": url}}
 
 
@@ -172,7 +160,7 @@ def _content_blocks(content: Any, where: str) -> list[Any]:
     return content
 
 
-def _messages(messages: list[Any], notes: _Notes) -> tuple[list[dict[str, Any]], list[tuple[str, dict[str, Any], str]]]:
+def _messages(messages: list[Any], notes: Notes) -> tuple[list[dict[str, Any]], list[tuple[str, dict[str, Any], str]]]:
     if not messages:
         raise _bad("messages: at least one message is required", "messages")
     chat: list[dict[str, Any]] = []
@@ -188,7 +176,7 @@ def _messages(messages: list[Any], notes: _Notes) -> tuple[list[dict[str, Any]],
             raise _bad(f"{where}.role: must be 'user', 'assistant' or 'system', got {role!r}", f"{where}.role")
         if "content" not in message:
             raise _bad(f"{where}.content: field required", f"{where}.content")
-        notes.extra_keys(message, {"role", "content"}, where)
+        notes.ignore_unknown(message, {"role", "content"}, where)
         if isinstance(message["content"], str) and role != "assistant":
             chat.append({"role": role, "content": message["content"]})
             continue
@@ -203,7 +191,7 @@ def _messages(messages: list[Any], notes: _Notes) -> tuple[list[dict[str, Any]],
     return chat, tool_changes
 
 
-def _system_turn(blocks: list[Any], where: str, notes: _Notes, tool_changes: list[tuple[str, dict[str, Any], str]]) -> list[dict[str, Any]]:
+def _system_turn(blocks: list[Any], where: str, notes: Notes, tool_changes: list[tuple[str, dict[str, Any], str]]) -> list[dict[str, Any]]:
     """A mid-conversation system turn (Claude Code sends one); it may also add or remove tools."""
     parts = []
     for index, raw in enumerate(blocks):
@@ -211,13 +199,13 @@ def _system_turn(blocks: list[Any], where: str, notes: _Notes, tool_changes: lis
         block, kind = _block(raw, block_where)
         if kind in ("tool_addition", "tool_removal"):
             tool_changes.append((kind, expect(block, "tool", dict, required=True, where=f"{block_where}."), block_where))
-            notes.extra_keys(block, {"type", "tool"}, block_where)
+            notes.ignore_unknown(block, {"type", "tool"}, block_where)
         else:
             parts.append(_text_part(block, block_where, notes))
     return [{"role": "system", "content": parts}] if parts else []
 
 
-def _user_turn(blocks: list[Any], where: str, notes: _Notes, open_tool_uses: set[str]) -> list[dict[str, Any]]:
+def _user_turn(blocks: list[Any], where: str, notes: Notes, open_tool_uses: set[str]) -> list[dict[str, Any]]:
     """Tool results become `tool` messages; the other blocks stay one user message, in order."""
     out: list[dict[str, Any]] = []
     parts: list[dict[str, Any]] = []
@@ -240,7 +228,7 @@ def _user_turn(blocks: list[Any], where: str, notes: _Notes, open_tool_uses: set
     return out
 
 
-def _tool_result(block: dict[str, Any], where: str, notes: _Notes, open_tool_uses: set[str]) -> dict[str, Any]:
+def _tool_result(block: dict[str, Any], where: str, notes: Notes, open_tool_uses: set[str]) -> dict[str, Any]:
     tool_use_id = expect(block, "tool_use_id", str, required=True, where=f"{where}.")
     if tool_use_id not in open_tool_uses:
         raise _bad(
@@ -258,11 +246,11 @@ def _tool_result(block: dict[str, Any], where: str, notes: _Notes, open_tool_use
         content = [_tool_result_part(item, f"{where}.content[{index}]", notes) for index, item in enumerate(content)]
     elif not isinstance(content, str):
         raise _bad(f"{where}.content: must be a string or an array of content blocks", f"{where}.content")
-    notes.extra_keys(block, {"type", "tool_use_id", "content", "is_error"}, where)
+    notes.ignore_unknown(block, {"type", "tool_use_id", "content", "is_error"}, where)
     return {"role": "tool", "tool_call_id": tool_use_id, "content": content}
 
 
-def _tool_result_part(raw: Any, where: str, notes: _Notes) -> dict[str, Any]:
+def _tool_result_part(raw: Any, where: str, notes: Notes) -> dict[str, Any]:
     block, kind = _block(raw, where)
     if kind == "text":
         return _text_part(block, where, notes)
@@ -271,12 +259,12 @@ def _tool_result_part(raw: Any, where: str, notes: _Notes) -> dict[str, Any]:
     if kind == "tool_reference":
         # a tool search result loading a deferred tool; vLLM hands it to the chat template as it is
         name = expect(block, "tool_name", str, required=True, where=f"{where}.")
-        notes.extra_keys(block, {"type", "tool_name"}, where)
+        notes.ignore_unknown(block, {"type", "tool_name"}, where)
         return {"type": "tool_reference", "name": name}
     raise _unsupported(kind, where, "tool_result")
 
 
-def _assistant_turn(blocks: list[Any], where: str, notes: _Notes) -> tuple[dict[str, Any], set[str]]:
+def _assistant_turn(blocks: list[Any], where: str, notes: Notes) -> tuple[dict[str, Any], set[str]]:
     texts: list[str] = []
     reasonings: list[str] = []
     tool_calls: list[dict[str, Any]] = []
@@ -304,10 +292,10 @@ def _assistant_turn(blocks: list[Any], where: str, notes: _Notes) -> tuple[dict[
     return turn, {call["id"] for call in tool_calls}
 
 
-def _reasoning_of(block: dict[str, Any], where: str, notes: _Notes) -> str:
+def _reasoning_of(block: dict[str, Any], where: str, notes: Notes) -> str:
     text = expect(block, "thinking", str, required=True, where=f"{where}.")
     signature = expect(block, "signature", str, where=f"{where}.")
-    notes.extra_keys(block, {"type", "thinking", "signature"}, where)
+    notes.ignore_unknown(block, {"type", "thinking", "signature"}, where)
     sealed = reasoning.unseal(signature)
     if sealed is not None:
         if sealed != text:
@@ -318,11 +306,11 @@ def _reasoning_of(block: dict[str, Any], where: str, notes: _Notes) -> str:
     return text
 
 
-def _tool_call(block: dict[str, Any], where: str, notes: _Notes) -> dict[str, Any]:
+def _tool_call(block: dict[str, Any], where: str, notes: Notes) -> dict[str, Any]:
     call_id = expect(block, "id", str, required=True, where=f"{where}.")
     name = expect(block, "name", str, required=True, where=f"{where}.")
     arguments = expect(block, "input", dict, required=True, where=f"{where}.")
-    notes.extra_keys(block, {"type", "id", "name", "input"}, where)
+    notes.ignore_unknown(block, {"type", "id", "name", "input"}, where)
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
@@ -330,7 +318,7 @@ def _unsupported(kind: str, where: str, container: str) -> DialectError:
     return _bad(f"{where}.type: content blocks of type {kind!r} are not supported in {container} content by polar-mitm", f"{where}.type")
 
 
-def _tools(tools: list[Any] | None, notes: _Notes) -> list[dict[str, Any]]:
+def _tools(tools: list[Any] | None, notes: Notes) -> list[dict[str, Any]]:
     out = []
     for index, tool in enumerate(tools or []):
         where = f"tools[{index}]"
@@ -347,7 +335,7 @@ def _tools(tools: list[Any] | None, notes: _Notes) -> list[dict[str, Any]]:
     return out
 
 
-def _function_tool(tool: dict[str, Any], where: str, notes: _Notes) -> dict[str, Any]:
+def _function_tool(tool: dict[str, Any], where: str, notes: Notes) -> dict[str, Any]:
     function: dict[str, Any] = {"name": expect(tool, "name", str, required=True, where=f"{where}.")}
     if (description := expect(tool, "description", str, where=f"{where}.")) is not None:
         function["description"] = description
@@ -356,7 +344,7 @@ def _function_tool(tool: dict[str, Any], where: str, notes: _Notes) -> dict[str,
         # vLLM passes a deferred tool to the chat template as such; a tool_reference loads it
         if (value := expect(tool, key, bool, where=f"{where}.")) is not None:
             function[key] = value
-    notes.extra_keys(tool, {"type", "name", "description", "input_schema", "strict", "defer_loading"}, where)
+    notes.ignore_unknown(tool, {"type", "name", "description", "input_schema", "strict", "defer_loading"}, where)
     return {"type": "function", "function": function}
 
 
@@ -365,7 +353,7 @@ def _apply_tool_changes(tools: list[dict[str, Any]], changes: list[tuple[str, di
     by_name = {tool["function"]["name"]: tool for tool in tools}
     for kind, change, where in changes:
         if change.get("type") == "tool_definition" and kind == "tool_addition":
-            tool = _function_tool(expect(change, "definition", dict, required=True, where=f"{where}.tool."), f"{where}.tool.definition", _Notes())
+            tool = _function_tool(expect(change, "definition", dict, required=True, where=f"{where}.tool."), f"{where}.tool.definition", Notes())
             by_name[tool["function"]["name"]] = tool
         elif change.get("type") == "tool_reference":
             name = expect(change, "name", str, required=True, where=f"{where}.tool.")
@@ -381,7 +369,7 @@ def _apply_tool_changes(tools: list[dict[str, Any]], changes: list[tuple[str, di
     return list(by_name.values())
 
 
-def _tool_choice(choice: dict[str, Any] | None, chat: dict[str, Any], notes: _Notes) -> None:
+def _tool_choice(choice: dict[str, Any] | None, chat: dict[str, Any], notes: Notes) -> None:
     if choice is None:
         return
     kind = choice.get("type")
@@ -397,10 +385,10 @@ def _tool_choice(choice: dict[str, Any] | None, chat: dict[str, Any], notes: _No
         notes.normalizations.append(f"tool_choice {kind} -> {json.dumps(chat['tool_choice'])}")
     if expect(choice, "disable_parallel_tool_use", bool, where="tool_choice."):
         chat["parallel_tool_calls"] = False
-    notes.extra_keys(choice, {"type", "name", "disable_parallel_tool_use"}, "tool_choice")
+    notes.ignore_unknown(choice, {"type", "name", "disable_parallel_tool_use"}, "tool_choice")
 
 
-def _continue_prefill(messages: list[dict[str, Any]], chat: dict[str, Any], notes: _Notes) -> None:
+def _continue_prefill(messages: list[dict[str, Any]], chat: dict[str, Any], notes: Notes) -> None:
     """A final assistant turn is a prefill: Anthropic continues it, and so does the engine."""
     last = messages[-1] if messages else None
     if last and last["role"] == "assistant" and "tool_calls" not in last:
@@ -500,10 +488,50 @@ def render_stream(parsed: ParsedRequest, completion: Completion) -> bytes:
 _PING = sse("ping", '{"type": "ping"}')
 
 
-def render_count_tokens(parsed: ParsedRequest, n: int) -> dict[str, Any]:
-    return {"input_tokens": n}
+def render_count_tokens(parsed: ParsedRequest, count: int) -> dict[str, Any]:
+    return {"input_tokens": count}
 
 
 def error_body(error: DialectError) -> dict[str, Any]:
     kind = ERROR_TYPES.get(error.status, "api_error" if error.status >= 500 else "invalid_request_error")
     return {"type": "error", "error": {"type": kind, "message": error.message}}
+
+
+def parse_reply(body: dict[str, Any]) -> Reply:
+    reply = Reply(finish_reason=body.get("stop_reason"))
+    for block in body.get("content") or []:
+        kind = block.get("type")
+        if kind == "text":
+            reply.content += block.get("text", "")
+        elif kind == "thinking":
+            reply.reasoning += block.get("thinking", "")
+        elif kind == "tool_use":
+            reply.tool_calls.append({"id": block.get("id"), "name": block.get("name"), "arguments": block.get("input")})
+    return reply
+
+
+def parse_reply_stream(events: list[SSEEvent]) -> Reply:
+    blocks: dict[int, dict[str, Any]] = {}
+    finish = None
+    for _, data in events:
+        kind = data.get("type")
+        if kind == "content_block_start":
+            block = dict(data.get("content_block") or {})
+            block["partial_json"] = ""
+            blocks[data.get("index", 0)] = block
+        elif kind == "content_block_delta":
+            block, delta = blocks.setdefault(data.get("index", 0), {"type": "text", "partial_json": ""}), data.get("delta") or {}
+            if delta.get("type") == "text_delta":
+                block["text"] = block.get("text", "") + delta.get("text", "")
+            elif delta.get("type") == "thinking_delta":
+                block["thinking"] = block.get("thinking", "") + delta.get("thinking", "")
+            elif delta.get("type") == "input_json_delta":
+                block["partial_json"] += delta.get("partial_json", "")
+        elif kind == "message_delta":
+            finish = (data.get("delta") or {}).get("stop_reason") or finish
+        elif kind == "error":
+            return Reply(error=error_text(data))
+    for block in blocks.values():
+        if block.get("type") == "tool_use" and block["partial_json"]:
+            block["input"] = json.loads(block["partial_json"])
+    return parse_reply({"content": [blocks[i] for i in sorted(blocks)], "stop_reason": finish})

@@ -60,6 +60,25 @@ def sse(event: str | None, data: Any) -> bytes:
     return f"{head}data: {payload}\n\n".encode()
 
 
+# one server-sent event: its `event:` name (None when it has none) and its `data:` JSON
+SSEEvent = tuple[str | None, Any]
+
+
+def sse_events(data: bytes) -> list[SSEEvent]:
+    """The events of an SSE stream (the inverse of `sse`); the `[DONE]` sentinel is dropped."""
+    events = []
+    for block in data.decode("utf-8", "replace").replace("\r\n", "\n").split("\n\n"):
+        name, lines = None, []
+        for line in block.split("\n"):
+            if line.startswith("event:"):
+                name = line[6:].strip()
+            elif line.startswith("data:"):
+                lines.append(line[5:].strip())
+        if lines and lines != ["[DONE]"]:
+            events.append((name, json.loads("\n".join(lines))))
+    return events
+
+
 def copy_known(source: dict[str, Any], target: dict[str, Any], keys: dict[str, str]) -> None:
     """Copy fields that mean the same in both APIs (source name -> engine name)."""
     for src, dst in keys.items():

@@ -18,8 +18,9 @@ from typing import Any
 from urllib.parse import unquote
 
 from polar_mitm.dialects import reasoning
-from polar_mitm.dialects.common import expect, load_json_object
-from polar_mitm.exchange import Completion, DialectError, ParsedRequest
+from polar_mitm.dialects._api import Reply
+from polar_mitm.dialects.common import SSEEvent, expect, load_json_object
+from polar_mitm.exchange import Completion, DialectError, Notes, ParsedRequest
 
 API = "gemini"
 STREAM_CONTENT_TYPE = "text/event-stream"
@@ -58,49 +59,49 @@ def parse(body: bytes, path: str = "", query: dict[str, str] | None = None) -> P
         raise DialectError(404, "not_found", f"polar-mitm's Gemini dialect does not serve {path!r}")
     model, method = unquote(match["model"]), match["method"]
     data = load_json_object(body)
-    normalizations: list[str] = []
-    data = _camel_keys(data, "request", normalizations)
+    notes = Notes()
+    data = _camel_keys(data, "request", notes)
     if method == "countTokens":
         # CountTokensRequest: either plain `contents`, or a whole `generateContentRequest`
         inner = expect(data, "generateContentRequest", dict)
         if inner is not None:
-            parsed = _parse_request(_camel_keys(inner, "generateContentRequest", normalizations), model, normalizations, "generateContentRequest.")
-            parsed.ignored = sorted(parsed.ignored + [key for key in data if key != "generateContentRequest"])
+            parsed = _parse_request(_camel_keys(inner, "generateContentRequest", notes), model, notes, "generateContentRequest.")
+            parsed.notes.ignored = sorted(parsed.notes.ignored + [key for key in data if key != "generateContentRequest"])
         else:
-            parsed = _parse_request(data, model, normalizations)
+            parsed = _parse_request(data, model, notes)
         parsed.action = "count_tokens"
         return parsed
     stream = method == "streamGenerateContent"
     if stream and (query or {}).get("alt") != "sse":
         raise _bad("streamGenerateContent is served as server-sent events only; add ?alt=sse (JSON-array streaming is not supported)", "alt")
-    parsed = _parse_request(data, model, normalizations)
+    parsed = _parse_request(data, model, notes)
     parsed.stream = stream
     return parsed
 
 
-def _parse_request(data: dict[str, Any], model: str, normalizations: list[str], where: str = "") -> ParsedRequest:
+def _parse_request(data: dict[str, Any], model: str, notes: Notes, where: str = "") -> ParsedRequest:
     contents = expect(data, "contents", list, required=True, where=where)
     if not contents:
         raise _bad(f"'{where}contents' must not be empty", f"{where}contents")
-    ignored: list[str] = []
     messages: list[dict[str, Any]] = []
     system = data.get("systemInstruction")
     if system is not None:
-        messages.append({"role": "system", "content": _system_text(system, f"{where}systemInstruction", normalizations, ignored)})
-    messages += _messages(contents, normalizations, ignored, where)
+        messages.append({"role": "system", "content": _system_text(system, f"{where}systemInstruction", notes)})
+    messages += _messages(contents, notes, where)
 
     chat: dict[str, Any] = {"messages": messages}
-    tools = _tools(expect(data, "tools", list, where=where) or [], normalizations, ignored, where)
+    tools = _tools(expect(data, "tools", list, where=where) or [], notes, where)
     if tools:
         chat["tools"] = tools
-    _tool_choice(expect(data, "toolConfig", dict, where=where), chat, normalizations, ignored, where)
-    render = _generation_config(expect(data, "generationConfig", dict, where=where), chat, normalizations, ignored, where)
+    _tool_choice(expect(data, "toolConfig", dict, where=where), chat, notes, where)
+    render = _generation_config(expect(data, "generationConfig", dict, where=where), chat, notes, where)
     known = {"contents", "systemInstruction", "tools", "toolConfig", "generationConfig"}
-    ignored += [f"{where}{key}" for key in data if key not in known]
-    return ParsedRequest(api=API, model=model, stream=False, chat=chat, ignored=sorted(ignored), normalizations=normalizations, render=render)
+    notes.ignored += [f"{where}{key}" for key in data if key not in known]
+    notes.ignored.sort()
+    return ParsedRequest(api=API, model=model, stream=False, chat=chat, notes=notes, render=render)
 
 
-def _camel_keys(obj: dict[str, Any], where: str, normalizations: list[str]) -> dict[str, Any]:
+def _camel_keys(obj: dict[str, Any], where: str, notes: Notes) -> dict[str, Any]:
     """Google's JSON accepts snake_case field names too (its own curl examples use them); one spelling here."""
     if not any("_" in key.strip("_") for key in obj):
         return obj
@@ -108,17 +109,17 @@ def _camel_keys(obj: dict[str, Any], where: str, normalizations: list[str]) -> d
     for key, value in obj.items():
         camel = re.sub(r"(?<=[a-z0-9])_([a-z])", lambda m: m[1].upper(), key) if not key.startswith("_") else key
         if camel != key:
-            normalizations.append(f"{where}.{key} -> {camel}")
+            notes.normalize(f"{where}.{key} -> {camel}")
         out[camel] = value
     return out
 
 
-def _system_text(system: Any, where: str, normalizations: list[str], ignored: list[str]) -> str:
+def _system_text(system: Any, where: str, notes: Notes) -> str:
     if isinstance(system, str):
         return system
     if not isinstance(system, dict):
         raise _bad(f"'{where}' must be a Content object or a string", where)
-    system = _camel_keys(system, where, normalizations)
+    system = _camel_keys(system, where, notes)
     parts = system.get("parts")
     if not isinstance(parts, list):
         raise _bad(f"'{where}.parts' must be an array of parts", f"{where}.parts")
@@ -127,38 +128,38 @@ def _system_text(system: Any, where: str, normalizations: list[str], ignored: li
         if not isinstance(part, dict) or not isinstance(part.get("text"), str):
             raise _bad(f"'{where}.parts[{index}]' must be a text part: a system instruction holds text only", f"{where}.parts[{index}]")
         texts.append(part["text"])
-        ignored += [f"{where}.parts[{index}].{key}" for key in part if key != "text"]
+        notes.ignored += [f"{where}.parts[{index}].{key}" for key in part if key != "text"]
     # the Content's role is implied: it becomes the system message
-    ignored += [f"{where}.{key}" for key in system if key not in ("parts", "role")]
+    notes.ignored += [f"{where}.{key}" for key in system if key not in ("parts", "role")]
     if len(texts) > 1:
-        normalizations.append(f"{where}: {len(texts)} text parts joined with newlines")
+        notes.normalize(f"{where}: {len(texts)} text parts joined with newlines")
     return "\n".join(texts)
 
 
-def _messages(contents: list[Any], normalizations: list[str], ignored: list[str], where: str) -> list[dict[str, Any]]:
+def _messages(contents: list[Any], notes: Notes, where: str) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
     unanswered: list[tuple[str, str]] = []  # (call id, name) of earlier calls with no response yet, in order
     for index, content in enumerate(contents):
         at = f"{where}contents[{index}]"
         if not isinstance(content, dict):
             raise _bad(f"'{at}' must be a Content object", at)
-        content = _camel_keys(content, at, normalizations)
+        content = _camel_keys(content, at, notes)
         role = content.get("role", "user")
         if role not in ("user", "model", "function"):
             raise _bad(f"'{at}.role' must be 'user', 'model' or 'function', got {role!r}", f"{at}.role")
         parts = content.get("parts")
         if not isinstance(parts, list) or not parts:
             raise _bad(f"'{at}.parts' must be a non-empty array of parts", f"{at}.parts")
-        parts = [_camel_keys(p, f"{at}.parts[{i}]", normalizations) if isinstance(p, dict) else p for i, p in enumerate(parts)]
+        parts = [_camel_keys(p, f"{at}.parts[{i}]", notes) if isinstance(p, dict) else p for i, p in enumerate(parts)]
         if role == "model":
-            messages.append(_assistant(parts, index, at, normalizations, ignored, unanswered))
+            messages.append(_assistant(parts, index, at, notes, unanswered))
         else:
-            messages += _user_turn(parts, at, normalizations, ignored, unanswered)
-        ignored += [f"{at}.{key}" for key in content if key not in ("role", "parts")]
+            messages += _user_turn(parts, at, notes, unanswered)
+        notes.ignored += [f"{at}.{key}" for key in content if key not in ("role", "parts")]
     return messages
 
 
-def _assistant(parts: list[Any], index: int, at: str, normalizations: list[str], ignored: list[str], unanswered: list[tuple[str, str]]) -> dict[str, Any]:
+def _assistant(parts: list[Any], index: int, at: str, notes: Notes, unanswered: list[tuple[str, str]]) -> dict[str, Any]:
     texts: list[str] = []
     thoughts: list[str] = []
     restored: str | None = None
@@ -170,7 +171,7 @@ def _assistant(parts: list[Any], index: int, at: str, normalizations: list[str],
         if "thoughtSignature" in part:
             sealed = _unseal_signature(part["thoughtSignature"])
             if sealed is None:
-                ignored.append(f"{here}.thoughtSignature")  # a real provider's (or a synthetic) signature: nothing to restore
+                notes.ignore(f"{here}.thoughtSignature")  # a real provider's (or a synthetic) signature: nothing to restore
             elif restored is None:
                 restored = sealed
         kind = _part_kind(part, here)
@@ -190,25 +191,25 @@ def _assistant(parts: list[Any], index: int, at: str, normalizations: list[str],
             call_id = call.get("id") if isinstance(call.get("id"), str) and call.get("id") else f"call_{index}_{part_index}"
             calls.append({"id": call_id, "type": "function", "function": {"name": call["name"], "arguments": json.dumps(args, ensure_ascii=False)}})
             unanswered.append((call_id, call["name"]))
-            ignored += [f"{here}.functionCall.{key}" for key in call if key not in ("name", "args", "id")]
+            notes.ignored += [f"{here}.functionCall.{key}" for key in call if key not in ("name", "args", "id")]
         else:
             raise _bad(f"'{here}': a model turn may hold text, thought and functionCall parts, not {kind}", here)
-        ignored += [f"{here}.{key}" for key in part if key not in (kind, "thought", "thoughtSignature")]
+        notes.ignored += [f"{here}.{key}" for key in part if key not in (kind, "thought", "thoughtSignature")]
     message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts or not calls else None}
     if len(texts) > 1:
-        normalizations.append(f"{at}: {len(texts)} text parts joined")
+        notes.normalize(f"{at}: {len(texts)} text parts joined")
     if restored is not None:
         message["reasoning_content"] = restored
-        normalizations.append(f"{at}: reasoning restored from thoughtSignature")
+        notes.normalize(f"{at}: reasoning restored from thoughtSignature")
     elif thoughts:
         message["reasoning_content"] = "".join(thoughts)
-        normalizations.append(f"{at}: reasoning taken from thought parts")
+        notes.normalize(f"{at}: reasoning taken from thought parts")
     if calls:
         message["tool_calls"] = calls
     return message
 
 
-def _user_turn(parts: list[Any], at: str, normalizations: list[str], ignored: list[str], unanswered: list[tuple[str, str]]) -> list[dict[str, Any]]:
+def _user_turn(parts: list[Any], at: str, notes: Notes, unanswered: list[tuple[str, str]]) -> list[dict[str, Any]]:
     """Part order is kept: runs of text/media become user messages, each functionResponse a tool message."""
     messages: list[dict[str, Any]] = []
     pending: list[dict[str, Any]] = []
@@ -225,23 +226,23 @@ def _user_turn(parts: list[Any], at: str, normalizations: list[str], ignored: li
             raise _bad(f"'{here}' must be a Part object", here)
         kind = _part_kind(part, here)
         if kind == "thoughtSignature":
-            ignored.append(f"{here}.thoughtSignature")
+            notes.ignore(f"{here}.thoughtSignature")
             continue
         if kind == "functionResponse":
             flush()
-            messages.append(_tool_message(part["functionResponse"], here, normalizations, ignored, unanswered))
+            messages.append(_tool_message(part["functionResponse"], here, notes, unanswered))
         elif kind == "functionCall":
             raise _bad(f"'{here}': functionCall parts belong to role 'model' contents", here)
         elif part.get("thought") is True:
             raise _bad(f"'{here}': thought parts belong to role 'model' contents", here)
         else:
-            pending.append(_media_part(part, kind, here, normalizations))
-        ignored += [f"{here}.{key}" for key in part if key not in (kind, "thought")]
+            pending.append(_media_part(part, kind, here, notes))
+        notes.ignored += [f"{here}.{key}" for key in part if key not in (kind, "thought")]
     flush()
     return messages
 
 
-def _tool_message(response: Any, here: str, normalizations: list[str], ignored: list[str], unanswered: list[tuple[str, str]]) -> dict[str, Any]:
+def _tool_message(response: Any, here: str, notes: Notes, unanswered: list[tuple[str, str]]) -> dict[str, Any]:
     where = f"{here}.functionResponse"
     if not isinstance(response, dict) or not isinstance(response.get("name"), str):
         raise _bad(f"'{where}' must have a name", f"{where}.name")
@@ -255,8 +256,8 @@ def _tool_message(response: Any, here: str, normalizations: list[str], ignored: 
     call_id, _ = unanswered.pop(match)
     if wanted_id and wanted_id != call_id:
         # an id that names no call in the history (the client dropped or never sent the call's id)
-        ignored.append(f"{where}.id")
-        normalizations.append(f"{where}: id {wanted_id!r} names no call; paired by name with {call_id}")
+        notes.ignore(f"{where}.id")
+        notes.normalize(f"{where}: id {wanted_id!r} names no call; paired by name with {call_id}")
     result = response.get("response", {})
     if not isinstance(result, dict):
         raise _bad(f"'{where}.response' must be an object", f"{where}.response")
@@ -271,10 +272,10 @@ def _tool_message(response: Any, here: str, normalizations: list[str], ignored: 
             at = f"{where}.parts[{index}]"
             if not isinstance(part, dict):
                 raise _bad(f"'{at}' must be a Part object", at)
-            part = _camel_keys(part, at, normalizations)
-            content.append(_media_part(part, _part_kind(part, at), at, normalizations))
+            part = _camel_keys(part, at, notes)
+            content.append(_media_part(part, _part_kind(part, at), at, notes))
         message["content"] = content
-    ignored += [f"{where}.{key}" for key in response if key not in ("name", "id", "response", "parts")]
+    notes.ignored += [f"{where}.{key}" for key in response if key not in ("name", "id", "response", "parts")]
     return message
 
 
@@ -294,7 +295,7 @@ def _part_kind(part: dict[str, Any], here: str) -> str:
     raise _bad(f"'{here}' has no supported data: expected text, functionCall, functionResponse or inlineData", here)
 
 
-def _media_part(part: dict[str, Any], kind: str, here: str, normalizations: list[str]) -> dict[str, Any]:
+def _media_part(part: dict[str, Any], kind: str, here: str, notes: Notes) -> dict[str, Any]:
     if kind == "text":
         return {"type": "text", "text": part["text"]}
     if kind != "inlineData":
@@ -302,7 +303,7 @@ def _media_part(part: dict[str, Any], kind: str, here: str, normalizations: list
     blob = part["inlineData"]
     if not isinstance(blob, dict):
         raise _bad(f"'{here}.inlineData' must be an object", f"{here}.inlineData")
-    blob = _camel_keys(blob, f"{here}.inlineData", normalizations)
+    blob = _camel_keys(blob, f"{here}.inlineData", notes)
     mime, data = blob.get("mimeType"), blob.get("data")
     if not isinstance(mime, str) or not isinstance(data, str):
         raise _bad(f"'{here}.inlineData' needs a mimeType and base64 data", f"{here}.inlineData")
@@ -313,32 +314,32 @@ def _media_part(part: dict[str, Any], kind: str, here: str, normalizations: list
             text = base64.b64decode(data, validate=True).decode("utf-8")
         except (binascii.Error, UnicodeDecodeError) as error:
             raise _bad(f"'{here}.inlineData.data' is not base64 of UTF-8 text: {error}", f"{here}.inlineData.data") from error
-        normalizations.append(f"{here}: inline {mime} decoded to text")
+        notes.normalize(f"{here}: inline {mime} decoded to text")
         return {"type": "text", "text": text}
     raise _bad(f"'{here}': inlineData of type {mime!r} is not supported by polar-mitm (images and text only)", f"{here}.inlineData.mimeType")
 
 
-def _tools(tools: list[Any], normalizations: list[str], ignored: list[str], where: str) -> list[dict[str, Any]]:
+def _tools(tools: list[Any], notes: Notes, where: str) -> list[dict[str, Any]]:
     chat_tools: list[dict[str, Any]] = []
     for index, tool in enumerate(tools):
         at = f"{where}tools[{index}]"
         if not isinstance(tool, dict):
             raise _bad(f"'{at}' must be a Tool object", at)
-        tool = _camel_keys(tool, at, normalizations)
+        tool = _camel_keys(tool, at, notes)
         declarations = tool.get("functionDeclarations") or []
         if not isinstance(declarations, list):
             raise _bad(f"'{at}.functionDeclarations' must be an array", f"{at}.functionDeclarations")
         for number, declaration in enumerate(declarations):
-            chat_tools.append(_function_tool(declaration, f"{at}.functionDeclarations[{number}]", normalizations, ignored))
+            chat_tools.append(_function_tool(declaration, f"{at}.functionDeclarations[{number}]", notes))
         # googleSearch, codeExecution, urlContext...: Google runs those itself; our engine cannot
-        ignored += [f"{at}.{key}" for key in tool if key != "functionDeclarations"]
+        notes.ignored += [f"{at}.{key}" for key in tool if key != "functionDeclarations"]
     return chat_tools
 
 
-def _function_tool(declaration: Any, at: str, normalizations: list[str], ignored: list[str]) -> dict[str, Any]:
+def _function_tool(declaration: Any, at: str, notes: Notes) -> dict[str, Any]:
     if not isinstance(declaration, dict) or not isinstance(declaration.get("name"), str) or not declaration["name"]:
         raise _bad(f"'{at}' must be a function declaration with a name", f"{at}.name")
-    declaration = _camel_keys(declaration, at, normalizations)
+    declaration = _camel_keys(declaration, at, notes)
     if declaration.get("parameters") is not None and declaration.get("parametersJsonSchema") is not None:
         raise _bad(f"'{at}': set parameters or parametersJsonSchema, not both", at)
     function: dict[str, Any] = {"name": declaration["name"]}
@@ -349,12 +350,12 @@ def _function_tool(declaration: Any, at: str, normalizations: list[str], ignored
         schema = {"type": "object", "properties": {}}
     elif not isinstance(schema, dict):
         raise _bad(f"'{at}.parameters' must be a schema object", f"{at}.parameters")
-    function["parameters"] = _json_schema(schema, f"{at}.parameters", normalizations)
-    ignored += [f"{at}.{key}" for key in declaration if key not in ("name", "description", "parameters", "parametersJsonSchema")]
+    function["parameters"] = _json_schema(schema, f"{at}.parameters", notes)
+    notes.ignored += [f"{at}.{key}" for key in declaration if key not in ("name", "description", "parameters", "parametersJsonSchema")]
     return {"type": "function", "function": function}
 
 
-def _json_schema(schema: dict[str, Any], at: str, normalizations: list[str]) -> dict[str, Any]:
+def _json_schema(schema: dict[str, Any], at: str, notes: Notes) -> dict[str, Any]:
     """Gemini's OpenAPI-style schema (types "OBJECT", "STRING", `nullable`, int64 strings) as JSON Schema."""
     changed: list[bool] = []
 
@@ -390,23 +391,23 @@ def _json_schema(schema: dict[str, Any], at: str, normalizations: list[str]) -> 
 
     result = convert(schema)
     if changed:
-        normalizations.append(f"{at}: OpenAPI schema types -> JSON Schema")
+        notes.normalize(f"{at}: OpenAPI schema types -> JSON Schema")
     return result
 
 
-def _tool_choice(config: dict[str, Any] | None, chat: dict[str, Any], normalizations: list[str], ignored: list[str], where: str) -> None:
+def _tool_choice(config: dict[str, Any] | None, chat: dict[str, Any], notes: Notes, where: str) -> None:
     if config is None:
         return
     at = f"{where}toolConfig"
-    config = _camel_keys(config, at, normalizations)
-    ignored += [f"{at}.{key}" for key in config if key != "functionCallingConfig"]
+    config = _camel_keys(config, at, notes)
+    notes.ignored += [f"{at}.{key}" for key in config if key != "functionCallingConfig"]
     calling = config.get("functionCallingConfig")
     if calling is None:
         return
     if not isinstance(calling, dict):
         raise _bad(f"'{at}.functionCallingConfig' must be an object", f"{at}.functionCallingConfig")
-    calling = _camel_keys(calling, f"{at}.functionCallingConfig", normalizations)
-    ignored += [f"{at}.functionCallingConfig.{key}" for key in calling if key not in ("mode", "allowedFunctionNames")]
+    calling = _camel_keys(calling, f"{at}.functionCallingConfig", notes)
+    notes.ignored += [f"{at}.functionCallingConfig.{key}" for key in calling if key not in ("mode", "allowedFunctionNames")]
     mode = calling.get("mode", "MODE_UNSPECIFIED")
     allowed = calling.get("allowedFunctionNames")
     if allowed is not None and (not isinstance(allowed, list) or not all(isinstance(n, str) for n in allowed)):
@@ -417,7 +418,7 @@ def _tool_choice(config: dict[str, Any] | None, chat: dict[str, Any], normalizat
         return
     if mode == "VALIDATED":
         chat["tool_choice"] = "auto"
-        normalizations.append(f"{at}: mode VALIDATED served as tool_choice auto")
+        notes.normalize(f"{at}: mode VALIDATED served as tool_choice auto")
     elif mode == "NONE":
         chat["tool_choice"] = "none"
     elif mode == "ANY":
@@ -430,17 +431,17 @@ def _tool_choice(config: dict[str, Any] | None, chat: dict[str, Any], normalizat
             chat["tool_choice"] = "required"
             if allowed and set(allowed) != names:
                 chat["tools"] = [tool for tool in chat["tools"] if tool["function"]["name"] in allowed]
-                normalizations.append(f"{at}: tools narrowed to allowedFunctionNames {sorted(set(allowed))}")
+                notes.normalize(f"{at}: tools narrowed to allowedFunctionNames {sorted(set(allowed))}")
     else:
         raise _bad(f"'{at}.functionCallingConfig.mode' must be AUTO, ANY, NONE or VALIDATED, got {mode!r}", f"{at}.functionCallingConfig.mode")
 
 
-def _generation_config(config: dict[str, Any] | None, chat: dict[str, Any], normalizations: list[str], ignored: list[str], where: str) -> dict[str, Any]:
+def _generation_config(config: dict[str, Any] | None, chat: dict[str, Any], notes: Notes, where: str) -> dict[str, Any]:
     render: dict[str, Any] = {"include_thoughts": False, "response_logprobs": False}
     if config is None:
         return render
     at = f"{where}generationConfig"
-    config = _camel_keys(config, at, normalizations)
+    config = _camel_keys(config, at, notes)
     for key, kinds in (("temperature", (int, float)), ("topP", (int, float)), ("topK", (int, float)), ("maxOutputTokens", int), ("seed", int),
                        ("presencePenalty", (int, float)), ("frequencyPenalty", (int, float)), ("candidateCount", int), ("logprobs", int),
                        ("stopSequences", list), ("responseMimeType", str), ("responseLogprobs", bool), ("responseModalities", list)):
@@ -459,34 +460,34 @@ def _generation_config(config: dict[str, Any] | None, chat: dict[str, Any], norm
     modalities = config.get("responseModalities") or []
     if any(m != "TEXT" for m in modalities):
         raise _bad(f"'{at}.responseModalities' {modalities} is not supported: the engine answers with text only", f"{at}.responseModalities")
-    _response_format(config, chat, at, normalizations)
+    _response_format(config, chat, at, notes)
     if config.get("responseLogprobs"):
         render["response_logprobs"] = True
         if config.get("logprobs"):
             chat["top_logprobs"] = config["logprobs"]
-    render["include_thoughts"] = _thinking(expect(config, "thinkingConfig", dict, where=f"{at}."), chat, f"{at}.thinkingConfig", normalizations, ignored)
+    render["include_thoughts"] = _thinking(expect(config, "thinkingConfig", dict, where=f"{at}."), chat, f"{at}.thinkingConfig", notes)
     known = set(GENERATION_PASSTHROUGH) | GENERATION_CONSUMED | {"thinkingConfig"}
-    ignored += [f"{at}.{key}" for key in config if key not in known]
+    notes.ignored += [f"{at}.{key}" for key in config if key not in known]
     return render
 
 
-def _thinking(thinking: dict[str, Any] | None, chat: dict[str, Any], at: str, normalizations: list[str], ignored: list[str]) -> bool:
+def _thinking(thinking: dict[str, Any] | None, chat: dict[str, Any], at: str, notes: Notes) -> bool:
     """thinkingConfig -> the chat template's `enable_thinking` (budget 0 turns thinking off); absent: the engine's
     default. Returns includeThoughts, which only shapes the reply."""
     if thinking is None:
         return False
-    thinking = _camel_keys(thinking, at, normalizations)
+    thinking = _camel_keys(thinking, at, notes)
     budget = expect(thinking, "thinkingBudget", int, where=f"{at}.")
     include = expect(thinking, "includeThoughts", bool, where=f"{at}.") is True
     enable = budget != 0
     chat["chat_template_kwargs"] = {"enable_thinking": enable}
-    normalizations.append(f"{at} -> chat_template_kwargs.enable_thinking={enable}")
+    notes.normalize(f"{at} -> chat_template_kwargs.enable_thinking={enable}")
     # the engine has no per-request budget or level we rely on: recorded, not enforced
-    ignored += [f"{at}.{key}" for key in thinking if key != "includeThoughts" and not (key == "thinkingBudget" and budget == 0)]
+    notes.ignored += [f"{at}.{key}" for key in thinking if key != "includeThoughts" and not (key == "thinkingBudget" and budget == 0)]
     return include
 
 
-def _response_format(config: dict[str, Any], chat: dict[str, Any], at: str, normalizations: list[str]) -> None:
+def _response_format(config: dict[str, Any], chat: dict[str, Any], at: str, notes: Notes) -> None:
     mime = config.get("responseMimeType") or "text/plain"
     schema_key = next((key for key in ("responseJsonSchema", "_responseJsonSchema", "responseSchema") if config.get(key) is not None), "responseSchema")
     schema = config.get(schema_key)
@@ -496,13 +497,13 @@ def _response_format(config: dict[str, Any], chat: dict[str, Any], at: str, norm
         if schema is None:
             chat["response_format"] = {"type": "json_object"}
         else:
-            chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "response", "schema": _json_schema(schema, f"{at}.{schema_key}", normalizations)}}
+            chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "response", "schema": _json_schema(schema, f"{at}.{schema_key}", notes)}}
     elif mime == "text/x.enum":
         choices = (schema or {}).get("enum")
         if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
             raise _bad(f"'{at}': responseMimeType text/x.enum needs a responseSchema with a string enum", f"{at}.responseSchema")
         chat["structured_outputs"] = {"choice": choices}
-        normalizations.append(f"{at}: text/x.enum served as structured_outputs choice")
+        notes.normalize(f"{at}: text/x.enum served as structured_outputs choice")
     elif mime == "text/plain":
         if schema is not None:
             raise _bad(f"'{at}': a response schema needs responseMimeType application/json or text/x.enum", f"{at}.responseMimeType")
@@ -611,3 +612,24 @@ def render_count_tokens(parsed: ParsedRequest, count: int) -> dict[str, Any]:
 def error_body(error: DialectError) -> dict[str, Any]:
     status = ERROR_STATUS.get(error.status, "INTERNAL" if error.status >= 500 else "INVALID_ARGUMENT")
     return {"error": {"code": error.status, "message": error.message, "status": status}}
+
+
+def parse_reply(body: dict[str, Any]) -> Reply:
+    return parse_reply_stream([(None, body)])
+
+
+def parse_reply_stream(events: list[SSEEvent]) -> Reply:
+    # each chunk is a GenerateContentResponse holding the next parts of the first candidate
+    reply = Reply()
+    for _, chunk in events:
+        for candidate in (chunk.get("candidates") or [])[:1]:
+            for part in (candidate.get("content") or {}).get("parts") or []:
+                if "functionCall" in part:
+                    call = part["functionCall"]
+                    reply.tool_calls.append({"id": call.get("id"), "name": call.get("name"), "arguments": call.get("args")})
+                elif part.get("thought"):
+                    reply.reasoning += part.get("text", "")
+                else:
+                    reply.content += part.get("text", "")
+            reply.finish_reason = candidate.get("finishReason") or reply.finish_reason
+    return reply

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from polar_mitm.dialects.common import expect, load_json_object, sse
-from polar_mitm.exchange import Completion, DialectError, ParsedRequest
+from polar_mitm.dialects._api import Reply
+from polar_mitm.dialects.common import SSEEvent, expect, load_json_object, sse
+from polar_mitm.exchange import Completion, DialectError, Notes, ParsedRequest
 
 API = "openai_chat"
 STREAM_CONTENT_TYPE = "text/event-stream; charset=utf-8"
@@ -42,27 +43,26 @@ def parse(body: bytes, path: str = "", query: dict[str, str] | None = None) -> P
         expect(data, key, kinds)
     stream_options = expect(data, "stream_options", dict) or {}
     tools = expect(data, "tools", list)
-    normalizations: list[str] = []
-    chat_messages = [_check_message(m, i, normalizations) for i, m in enumerate(messages)]
+    notes = Notes()
+    chat_messages = [_check_message(m, i, notes) for i, m in enumerate(messages)]
     for index, tool in enumerate(tools or []):
         if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(tool.get("function"), dict) or not isinstance(tool["function"].get("name"), str):
             raise DialectError(400, "invalid_request_error", f"tools[{index}] must be a function tool with a name", f"tools[{index}]")
 
     chat = {key: data[key] for key in PASSTHROUGH if key in data and data[key] is not None}
     chat["messages"] = chat_messages
-    ignored = sorted(key for key in data if key not in PASSTHROUGH and key not in CONSUMED)
+    notes.ignored = sorted(key for key in data if key not in PASSTHROUGH and key not in CONSUMED)
     return ParsedRequest(
         api=API,
         model=model,
         stream=stream,
         chat=chat,
-        ignored=ignored,
-        normalizations=normalizations,
+        notes=notes,
         render={"include_usage": bool(stream_options.get("include_usage")), "logprobs": bool(data.get("logprobs"))},
     )
 
 
-def _check_message(message: Any, index: int, normalizations: list[str]) -> dict[str, Any]:
+def _check_message(message: Any, index: int, notes: Notes) -> dict[str, Any]:
     where = f"messages[{index}]"
     if not isinstance(message, dict):
         raise DialectError(400, "invalid_request_error", f"'{where}' must be an object", where)
@@ -82,7 +82,7 @@ def _check_message(message: Any, index: int, normalizations: list[str]) -> dict[
     if role == "developer":
         # chat templates know system, not developer
         out["role"] = "system"
-        normalizations.append(f"{where}: developer -> system")
+        notes.normalize(f"{where}: developer -> system")
     return out
 
 
@@ -156,3 +156,29 @@ def error_body(error: DialectError) -> dict[str, Any]:
     kind = ERROR_TYPES.get(error.status, "server_error" if error.status >= 500 else "invalid_request_error")
     return {"error": {"message": error.message, "type": kind, "param": error.param, "code": code}}
 
+
+def parse_reply(body: dict[str, Any]) -> Reply:
+    if not body.get("choices"):
+        return Reply(error="no choices in the body")
+    choice = body["choices"][0]
+    message = choice.get("message") or {}
+    calls = [{"id": c.get("id"), "name": (c.get("function") or {}).get("name"), "arguments": (c.get("function") or {}).get("arguments")} for c in message.get("tool_calls") or []]
+    return Reply(message.get("content") or "", message.get("reasoning_content") or message.get("reasoning") or "", calls, choice.get("finish_reason"))
+
+
+def parse_reply_stream(events: list[SSEEvent]) -> Reply:
+    reply = Reply()
+    calls: dict[int, dict[str, Any]] = {}  # by the stream's tool call index
+    for _, chunk in events:
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            reply.content += delta.get("content") or ""
+            reply.reasoning += delta.get("reasoning_content") or delta.get("reasoning") or ""
+            for call in delta.get("tool_calls") or []:
+                slot = calls.setdefault(call.get("index", 0), {"id": None, "name": "", "arguments": ""})
+                slot["id"] = call.get("id") or slot["id"]
+                slot["name"] += (call.get("function") or {}).get("name") or ""
+                slot["arguments"] += (call.get("function") or {}).get("arguments") or ""
+            reply.finish_reason = choice.get("finish_reason") or reply.finish_reason
+    reply.tool_calls = [calls[i] for i in sorted(calls)]
+    return reply

@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from polar_mitm.dialects import reasoning as reasoning_carrier
-from polar_mitm.dialects.common import expect, load_json_object, sse
+from polar_mitm.dialects._api import Reply
+from polar_mitm.dialects.common import SSEEvent, expect, load_json_object, sse
 from polar_mitm.dialects.openai_chat import error_body  # noqa: F401 - same provider, same error shape
-from polar_mitm.exchange import Completion, DialectError, ParsedRequest
+from polar_mitm.exchange import Completion, DialectError, Notes, ParsedRequest
 
 API = "openai_responses"
 STREAM_CONTENT_TYPE = "text/event-stream; charset=utf-8"
@@ -64,24 +65,24 @@ class _Translation:
 
     messages: list[dict[str, Any]] = field(default_factory=list)
     tools: list[dict[str, Any]] = field(default_factory=list)
-    # chat tool name -> how a call to it is rendered back: kind (function/custom/local_shell/tool_search), name, namespace
+    # chat tool name -> how a call to it is rendered back:
+    # kind (function/custom/local_shell/tool_search), name, namespace
     tool_kinds: dict[str, dict[str, Any]] = field(default_factory=dict)
-    ignored: list[str] = field(default_factory=list)
-    normalizations: list[str] = field(default_factory=list)
+    notes: Notes = field(default_factory=Notes)
     call_ids: set[str] = field(default_factory=set)
     # the assistant message that reasoning, text and calls of the current assistant turn are added to
     open_assistant: dict[str, Any] | None = None
     reasoning_effort: str | None = None
 
     def ignore(self, path: str, why: str | None = None) -> None:
-        if path not in self.ignored:
-            self.ignored.append(path)
+        if path not in self.notes.ignored:
+            self.notes.ignore(path)
         if why:
             self.note(f"{path}: {why}")
 
     def note(self, text: str) -> None:
-        if text not in self.normalizations:
-            self.normalizations.append(text)
+        if text not in self.notes.normalizations:
+            self.notes.normalize(text)
 
     def ignore_unknown(self, data: dict[str, Any], known: set[str], where: str) -> None:
         for key in data:
@@ -170,8 +171,7 @@ def parse(body: bytes, path: str = "", query: dict[str, str] | None = None) -> P
         model=model,
         stream=stream,
         chat=chat,
-        ignored=t.ignored,
-        normalizations=t.normalizations,
+        notes=t.notes,
         render=render,
         action="count_tokens" if path.endswith("/input_tokens") else "generate",
     )
@@ -720,3 +720,24 @@ def _stream_item(events: _Events, output_index: int, item: dict[str, Any]) -> No
 
 def render_count_tokens(parsed: ParsedRequest, count: int) -> dict[str, Any]:
     return {"object": "response.input_tokens", "input_tokens": count}
+
+
+def parse_reply(body: dict[str, Any]) -> Reply:
+    reply = Reply(finish_reason=body.get("status"))
+    for item in body.get("output") or []:
+        kind = item.get("type")
+        if kind == "message":
+            reply.content += "".join(part.get("text", "") for part in item.get("content") or [] if part.get("type") == "output_text")
+        elif kind == "reasoning":
+            reply.reasoning += "".join(part.get("text", "") for part in (item.get("content") or item.get("summary") or []))
+        elif kind == "function_call":
+            reply.tool_calls.append({"id": item.get("call_id"), "name": item.get("name"), "arguments": item.get("arguments")})
+    return reply
+
+
+def parse_reply_stream(events: list[SSEEvent]) -> Reply:
+    # the terminal event carries the whole response object
+    for name, data in events:
+        if (name or data.get("type")) in ("response.completed", "response.incomplete", "response.failed"):
+            return parse_reply(data.get("response") or {})
+    return Reply(error="the stream has no response.completed event")

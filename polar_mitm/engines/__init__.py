@@ -1,23 +1,29 @@
-"""Inference engine clients: one module per engine, the same small surface each."""
+"""Inference engine clients: one module per engine, each a subclass of `base.Engine` (the declared interface:
+build_request, complete, build_count_request, count_tokens, and the token-id hooks it overrides).
+
+    ENGINES.get("vllm")   # the Engine class; ConfigError naming the valid engines for an unknown name
+    make_engine("sglang", "http://127.0.0.1:30000/v1")
+"""
 
 from __future__ import annotations
 
 from polar_mitm.engines.base import Engine
+from polar_mitm.registry import Registry
+
+__all__ = ["ENGINES", "Engine", "make_engine"]
+
+ENGINES: Registry[type[Engine]] = Registry(
+    "engine",
+    {"vllm": "polar_mitm.engines.vllm:VLLMEngine", "sglang": "polar_mitm.engines.sglang:SGLangEngine"},
+)
 
 
 def make_engine(kind: str, base_url: str, served_model: str | None = None, timeout: float = 600.0, split_reasoning: bool = False) -> Engine:
-    """One engine client; `base_url` with commas (several upstreams) gives a session-sticky EngineRouter over them."""
+    """A client of the `kind` engine (a name in ENGINES) at `base_url`; raises ConfigError for an unknown kind.
+    `base_url` with commas (several upstreams) gives a session-sticky EngineRouter over one client per URL."""
     urls = [url.strip() for url in base_url.split(",") if url.strip()]
     if len(urls) > 1:
         from polar_mitm.engines.router import EngineRouter
 
         return EngineRouter([make_engine(kind, url, served_model, timeout, split_reasoning) for url in urls])  # type: ignore[return-value]
-    if kind == "vllm":
-        from polar_mitm.engines.vllm import VLLMEngine
-
-        return VLLMEngine(base_url, served_model, timeout, split_reasoning)
-    if kind == "sglang":
-        from polar_mitm.engines.sglang import SGLangEngine
-
-        return SGLangEngine(base_url, served_model, timeout, split_reasoning)
-    raise ValueError(f"unknown engine kind {kind!r} (vllm or sglang)")
+    return ENGINES.get(kind)(base_url, served_model, timeout, split_reasoning)

@@ -2,10 +2,11 @@
 
 A session's first call goes to the healthy engine with the fewest calls in flight (ties: the fewest sessions
 pinned to it); every later call of that session goes to the same engine, so its prefix cache is reused (verl's
-agent loop does the same). An engine whose connection is refused or dropped (`engine_unreachable`: no answer can come from it) is
-taken out at once and the call goes to another engine, the session re-pinned there; HTTP errors and timeouts
-are answered as they are (the engine is up; the harness retries as it would against one engine). An engine that is out is
-probed (GET /models, 2 s) at most every `cooldown` seconds from the request path and put back when it answers.
+agent loop does the same). An engine whose connection is refused or dropped (`engine_unreachable`: no answer can
+come from it) is taken out at once and the call goes to another engine, the session re-pinned there; HTTP errors
+and timeouts are answered as they are (the engine is up; the harness retries as it would against one engine). An
+engine that is out is probed (GET /models, 2 s) at most every `cooldown` seconds from the request path and put
+back when it answers.
 Operators can take one out and put it back by hand (`take_out` / `put_back`, e.g. for a weight reload).
 
 The router has the surface of `engines.base.Engine`; the gateway addon sets `CURRENT_SESSION` for each exchange.

@@ -11,24 +11,25 @@ import gc
 import json
 import logging
 import os
-import time
 import uuid
 import weakref
-import importlib
-import importlib.util
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from mitmproxy import ctx, exceptions, http
 
 from polar_mitm import dialects, redact, session
-from polar_mitm.engines import make_engine
+from polar_mitm.dialects import CountsTokens, Dialect
+from polar_mitm.engines import ENGINES, make_engine
 from polar_mitm.engines.base import Engine
 from polar_mitm.engines.router import CURRENT_SESSION
+from polar_mitm.errors import ConfigError
 from polar_mitm.exchange import DialectError, EngineError, ParsedRequest
-from polar_mitm.run_cli import GATEWAY_FILE
-from polar_mitm.store import Store, now
+from polar_mitm.gateway import options
+from polar_mitm.routing import GATEWAY_FILE
+from polar_mitm.store import ExchangeRow, Store, now
+from polar_mitm.util import load_function
 
 log = logging.getLogger("polar_mitm.gateway")
 
@@ -45,37 +46,7 @@ class PolarAddon:
         self.engine_hook: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any] | None] | None = None
 
     def load(self, loader: Any) -> None:
-        loader.add_option("polar_upstream", str, "", "The inference engine's OpenAI-compatible base URL, e.g. http://127.0.0.1:8011/v1.")
-        loader.add_option("polar_db", str, "polar.duckdb", "The DuckDB file every exchange is committed to.")
-        loader.add_option("polar_engine", str, "vllm", "The engine kind behind polar_upstream: vllm or sglang.")
-        loader.add_option("polar_engine_model", str, "", "The engine's served model name; empty: discovered from its /models.")
-        loader.add_option(
-            "polar_split_reasoning",
-            bool,
-            False,
-            "Split a leading <think>...</think> out of the engine's content into reasoning, for engines served without a reasoning parser.",
-        )
-        loader.add_option("polar_engine_timeout", float, 600.0, "Seconds to wait for one engine call before answering 504.")
-        loader.add_option(
-            "polar_model_map",
-            Sequence[str],
-            [],
-            "Which requested model names are served, as glob patterns, optionally '=ENGINE_MODEL'. Empty: every name is served by the engine's model; otherwise an unmatched name gets a 404 in the provider's shape.",
-        )
-        loader.add_option("polar_require_auth", bool, False, "Answer 407 to requests without valid session credentials in the proxy URL.")
-        loader.add_option(
-            "polar_passthrough",
-            Sequence[str],
-            [],
-            "Hosts (glob patterns) whose non-model traffic is forwarded to the real network. Empty: every non-model request is answered locally with a 404.",
-        )
-        loader.add_option(
-            "polar_engine_hook",
-            str,
-            "",
-            "A function 'module:name' or 'path/to/file.py:name' called as hook(engine_request, context) before each engine call; it may return a changed request (e.g. sampling params, structured outputs). The row records the request as sent.",
-        )
-        loader.add_option("polar_sql_port", int, 0, "Loopback port of the read-only SQL endpoint for other processes (0: any free port).")
+        options.declare(loader)  # polar_<name> for each row of gateway/options.py
 
     def configure(self, updated: set[str]) -> None:
         if ctx.options.connection_strategy != "lazy":
@@ -85,8 +56,8 @@ class PolarAddon:
             upstream = ctx.options.polar_upstream
             if upstream and not all(url.strip().startswith(("http://", "https://")) for url in upstream.split(",")):
                 raise exceptions.OptionsError(f"polar_upstream must be an http(s) URL (or several, comma-separated), got {upstream!r}")
-            if ctx.options.polar_engine not in ("vllm", "sglang"):
-                raise exceptions.OptionsError(f"polar_engine must be vllm or sglang, got {ctx.options.polar_engine!r}")
+            if ctx.options.polar_engine not in ENGINES:
+                raise exceptions.OptionsError(f"polar_engine must be one of {', '.join(ENGINES.names())}, got {ctx.options.polar_engine!r}")
             if ctx.options.polar_engine_timeout <= 0:
                 raise exceptions.OptionsError("polar_engine_timeout must be positive")
             self.engine = make_engine(ctx.options.polar_engine, upstream, ctx.options.polar_engine_model or None, ctx.options.polar_engine_timeout, ctx.options.polar_split_reasoning) if upstream else None
@@ -98,7 +69,10 @@ class PolarAddon:
                     raise exceptions.OptionsError(f"polar_model_map entry {entry!r} has no pattern")
                 self.model_map.append((pattern, target or None))
         if "polar_engine_hook" in updated:
-            self.engine_hook = load_hook(ctx.options.polar_engine_hook) if ctx.options.polar_engine_hook else None
+            try:
+                self.engine_hook = load_function(ctx.options.polar_engine_hook) if ctx.options.polar_engine_hook else None
+            except ConfigError as error:
+                raise exceptions.OptionsError(f"polar_engine_hook: {error}") from error
         if "polar_db" in updated or self.store is None:
             if self.store is not None:
                 self.store.close()
@@ -189,7 +163,7 @@ class PolarAddon:
         flow.response = http.Response.make(404, json.dumps(body), {"content-type": "application/json"})
         flow.metadata["polar_local"] = True
 
-    async def _exchange(self, flow: http.HTTPFlow, dialect: Any, path: str) -> None:
+    async def _exchange(self, flow: http.HTTPFlow, dialect: Dialect, path: str) -> None:
         assert self.store is not None
         session_id = flow.metadata.get("polar_session") or session.DEFAULT_SESSION
         CURRENT_SESSION.set(session_id)  # an EngineRouter keeps the session on one engine
@@ -199,7 +173,7 @@ class PolarAddon:
         header_map = {name.lower(): value for name, value in headers}
         user_agent = header_map.get("user-agent")
         raw_body = flow.request.get_content(strict=False) or b""
-        row: dict[str, Any] = {
+        row: ExchangeRow = {
             "exchange_id": str(uuid.uuid4()),
             "session_id": session_id,
             "seq": self.store.next_seq(session_id),
@@ -247,12 +221,13 @@ class PolarAddon:
             {"content-type": content_type, "x-polar-exchange-id": row["exchange_id"], "x-polar-session-id": session_id, **({"cache-control": "no-cache"} if content_type.startswith("text/event-stream") else {})},
         )
 
-    async def _serve(self, parsed: ParsedRequest, dialect: Any, row: dict[str, Any]) -> tuple[int, str, bytes, Any]:
+    async def _serve(self, parsed: ParsedRequest, dialect: Dialect, row: ExchangeRow) -> tuple[int, str, bytes, Any]:
         if self.engine is None:
             raise EngineError("engine_unreachable", "polar-mitm has no inference engine configured (polar_upstream)", 503)
         engine_model = await self._engine_model(parsed.model)
         row["model_engine"] = engine_model
         if parsed.action == "count_tokens":
+            assert isinstance(dialect, CountsTokens), "only a dialect with a count endpoint parses a count_tokens request"
             count_request = self.engine.build_count_request(parsed.chat, engine_model)
             row["engine_request"] = count_request
             row["engine_started_at"] = now()
@@ -299,7 +274,7 @@ class PolarAddon:
         return await self.engine.discover()
 
     @staticmethod
-    def _error(dialect: Any, error: DialectError) -> tuple[int, str, bytes, Any]:
+    def _error(dialect: Dialect, error: DialectError) -> tuple[int, str, bytes, Any]:
         body_json = dialect.error_body(error)
         return error.status, "application/json", json.dumps(body_json).encode(), body_json
 
@@ -325,21 +300,3 @@ def _peek_model(body: bytes, path: str) -> str | None:
         return None
     model = data.get("model") if isinstance(data, dict) else None
     return model if isinstance(model, str) else None
-
-
-def load_hook(spec: str) -> Callable[..., Any]:
-    target, sep, name = spec.rpartition(":")
-    if not sep or not target or not name:
-        raise exceptions.OptionsError(f"polar_engine_hook must be 'module:function' or 'file.py:function', got {spec!r}")
-    if target.endswith(".py"):
-        module_spec = importlib.util.spec_from_file_location(f"polar_engine_hook_{abs(hash(target))}", target)
-        if module_spec is None or module_spec.loader is None:
-            raise exceptions.OptionsError(f"cannot load engine hook file {target!r}")
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(target)
-    hook = getattr(module, name, None)
-    if not callable(hook):
-        raise exceptions.OptionsError(f"engine hook {spec!r} is not a function")
-    return hook

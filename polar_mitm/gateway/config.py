@@ -1,29 +1,28 @@
-"""The gateway's configuration, shared by the CLI, the rollout server and tests."""
+"""The gateway's configuration, shared by the CLI, the rollout server and tests: one field per row of
+`gateway/options.py` OPTIONS (add options there, not here)."""
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, create_model
 
-DEFAULT_CONFDIR = "~/.mitmproxy"
+from polar_mitm.gateway.options import DEFAULT_CONFDIR, OPTIONS, Option
+
+__all__ = ["DEFAULT_CONFDIR", "GatewayConfig"]
 
 
-class GatewayConfig(BaseModel):
-    port: int = Field(8080, ge=0, le=65535, description="Proxy port on the listen host.")
-    host: str = Field("127.0.0.1", description="Listen address; loopback by default.")
-    upstream: str = Field(description="The engine's OpenAI-compatible base URL, e.g. http://127.0.0.1:8011/v1.")
-    db: Path = Field(Path("polar.duckdb"), description="DuckDB store.")
-    confdir: str = Field(DEFAULT_CONFDIR, description="mitmproxy confdir: its CA and the session secret live here.")
-    engine: str = Field("vllm", pattern="^(vllm|sglang)$")
-    engine_model: str | None = None
-    engine_timeout: float = Field(600.0, gt=0)
-    split_reasoning: bool = Field(False, description="Split inline <think>...</think> from the engine's content into reasoning.")
-    model_map: list[str] = Field(default_factory=list)
-    require_auth: bool = False
-    passthrough: list[str] = Field(default_factory=list)
-    engine_hook: str = Field("", description="'module:function' or 'file.py:function' applied to each engine request.")
-    sql_port: int = 0
-    web: bool = False
-    web_port: int = 8081
-    verbose: bool = False
+def _field(option: Option) -> tuple[Any, Any]:
+    if option.required:
+        return option.type, Field(description=option.help)
+    if option.type == list[str]:
+        return option.type, Field(default_factory=lambda: list(option.default), description=option.help)
+    return option.type, Field(option.default, description=option.help)
+
+
+GatewayConfig: type[BaseModel] = create_model(
+    "GatewayConfig",
+    __doc__="The gateway's options (gateway/options.py); values are checked where they are used, in the addon's configure().",
+    __module__=__name__,
+    **{option.name: _field(option) for option in OPTIONS},
+)

@@ -4,7 +4,8 @@ Request: what the gateway sends the engine — the dialect's own parse into the 
 prompt, messages, tool calls and tool results, reasoning; the tools as collapsed signatures; the fields the
 gateway ignored or normalized. Response: the assistant turn as the client got it, then the sampled token ids and
 logprobs of the stored row (found by the response's `x-polar-exchange-id` header). Without a row (a flow file
-opened elsewhere), the reply is read from the provider's JSON body or SSE stream itself.
+opened elsewhere), the reply is read from the provider's JSON body or SSE stream itself. Each dialect reads its
+own provider's bodies and streams (`parse`, `parse_reply`): the view has no parser of its own.
 
 Token counts: the prompt and sampled totals are the engine's own, from the row. Per message, `~N tok` counts
 the message's text (no template tokens) with the engine's tokenizer, when it is on this machine.
@@ -15,13 +16,13 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from mitmproxy import contentviews, http
 from mitmproxy.contentviews import Contentview, Metadata
 
 from polar_mitm import dialects
+from polar_mitm.dialects import Dialect, Reply, read_reply
 from polar_mitm.exchange import DialectError
 
 log = logging.getLogger("polar_mitm.contentview")
@@ -41,17 +42,6 @@ ROW_SQL = """
            date_diff('millisecond', engine_started_at, engine_ended_at) AS engine_ms,
            date_diff('millisecond', started_at, ended_at) AS total_ms
     FROM exchanges WHERE exchange_id = ?"""
-
-
-@dataclass
-class Reply:
-    """An assistant turn, whichever API it came in."""
-
-    content: str = ""
-    reasoning: str = ""
-    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # {"id", "name", "arguments"}
-    finish_reason: str | None = None
-    error: str | None = None
 
 
 class LLMContentview(Contentview):
@@ -90,7 +80,7 @@ class LLMContentview(Contentview):
         except Exception as error:  # noqa: BLE001 - the view still renders from the bodies
             log.warning(f"polar contentview: cannot read exchange {exchange_id}: {error}")
             return None
-        return dict(zip(columns, rows[0])) if rows else None
+        return dict(zip(columns, rows[0], strict=True)) if rows else None
 
     def tokenizer(self, row: dict[str, Any] | None) -> Any:
         model = row.get("model_engine") if row else None
@@ -106,7 +96,7 @@ class LLMContentview(Contentview):
         return self._tokenizers[key]
 
     # -- request
-    def render_request(self, dialect: Any, flow: http.HTTPFlow, data: bytes, row: dict[str, Any] | None) -> str:
+    def render_request(self, dialect: Dialect, flow: http.HTTPFlow, data: bytes, row: dict[str, Any] | None) -> str:
         path = flow.request.path.split("?", 1)[0]
         out = []
         try:
@@ -148,14 +138,14 @@ class LLMContentview(Contentview):
         return "\n".join(out)
 
     # -- response
-    def render_response(self, dialect: Any, flow: http.HTTPFlow, data: bytes, row: dict[str, Any] | None) -> str:
+    def render_response(self, dialect: Dialect, flow: http.HTTPFlow, data: bytes, row: dict[str, Any] | None) -> str:
         status = flow.response.status_code if flow.response is not None else None
         out = [f"{dialect.API} response · HTTP {status}" + (f" · {row['status']}" if row else " · no stored row")]
         out += _row_lines(row)
         if row is not None:
             # the reply as the client got it (provider tool call ids), from the provider-shaped body the row keeps
             body = row.get("response_body")
-            reply = reply_from_body(dialect.API, body.encode() if isinstance(body, str) else json.dumps(body).encode()) if body else Reply()
+            reply = read_reply(dialect, body.encode() if isinstance(body, str) else json.dumps(body).encode()) if body else Reply()
             if row.get("error"):
                 reply.error = row["error"]
             reply.finish_reason = row.get("finish_reason") or reply.finish_reason
@@ -173,7 +163,7 @@ class LLMContentview(Contentview):
                 out.append(" · ".join(facts))
         else:
             content_type = flow.response.headers.get("content-type", "") if flow.response is not None else ""
-            reply = reply_from_body(dialect.API, data, content_type)
+            reply = read_reply(dialect, data, content_type)
             if reply.finish_reason:
                 out.append(f"finish {reply.finish_reason}")
         if reply.error:
@@ -323,7 +313,7 @@ def _row_lines(row: dict[str, Any] | None) -> list[str]:
     return [line + (" · REPLAY (not trajectory material)" if row.get("replay") else "")]
 
 
-def _dialect_of(flow: http.HTTPFlow) -> Any:
+def _dialect_of(flow: http.HTTPFlow) -> Dialect | None:
     return dialects.dialect_for(flow.request.method, flow.request.path.split("?", 1)[0])
 
 
@@ -335,145 +325,6 @@ def _gateway_reader() -> Reader | None:
     store = getattr(addon, "store", None)
     return store.query if store is not None else None
 
-
-# -- replies
-def reply_from_body(api: str, data: bytes, content_type: str = "") -> Reply:
-    """The assistant turn in a provider's response body, JSON or SSE."""
-    if content_type.startswith("text/event-stream") or data.lstrip().startswith((b"data:", b"event:")):
-        return _STREAMS[api](sse_events(data))
-    body = json.loads(data)
-    if isinstance(body, dict) and body.get("error"):  # a Responses object carries "error": null
-        return Reply(error=_error_text(body))
-    return _BODIES[api](body)
-
-
-def sse_events(data: bytes) -> list[tuple[str | None, Any]]:
-    events = []
-    for block in data.decode("utf-8", "replace").replace("\r\n", "\n").split("\n\n"):
-        name, lines = None, []
-        for line in block.split("\n"):
-            if line.startswith("event:"):
-                name = line[6:].strip()
-            elif line.startswith("data:"):
-                lines.append(line[5:].strip())
-        if lines and lines != ["[DONE]"]:
-            events.append((name, json.loads("\n".join(lines))))
-    return events
-
-
-def _error_text(body: dict[str, Any]) -> str:
-    error = body.get("error")
-    return error.get("message", json.dumps(error)) if isinstance(error, dict) else str(error)
-
-
-def _chat_body(body: dict[str, Any]) -> Reply:
-    if not body.get("choices"):
-        return Reply(error="no choices in the body")
-    choice = body["choices"][0]
-    message = choice.get("message") or {}
-    calls = [{"id": c.get("id"), "name": (c.get("function") or {}).get("name"), "arguments": (c.get("function") or {}).get("arguments")} for c in message.get("tool_calls") or []]
-    return Reply(message.get("content") or "", message.get("reasoning_content") or message.get("reasoning") or "", calls, choice.get("finish_reason"))
-
-
-def _chat_stream(events: list[tuple[str | None, Any]]) -> Reply:
-    reply, calls = Reply(), {}
-    for _, chunk in events:
-        for choice in chunk.get("choices") or []:
-            delta = choice.get("delta") or {}
-            reply.content += delta.get("content") or ""
-            reply.reasoning += delta.get("reasoning_content") or delta.get("reasoning") or ""
-            for call in delta.get("tool_calls") or []:
-                slot = calls.setdefault(call.get("index", 0), {"id": None, "name": "", "arguments": ""})
-                slot["id"] = call.get("id") or slot["id"]
-                slot["name"] += (call.get("function") or {}).get("name") or ""
-                slot["arguments"] += (call.get("function") or {}).get("arguments") or ""
-            reply.finish_reason = choice.get("finish_reason") or reply.finish_reason
-    reply.tool_calls = [calls[i] for i in sorted(calls)]
-    return reply
-
-
-def _responses_body(body: dict[str, Any]) -> Reply:
-    reply = Reply(finish_reason=body.get("status"))
-    for item in body.get("output") or []:
-        kind = item.get("type")
-        if kind == "message":
-            reply.content += "".join(part.get("text", "") for part in item.get("content") or [] if part.get("type") == "output_text")
-        elif kind == "reasoning":
-            reply.reasoning += "".join(part.get("text", "") for part in (item.get("content") or item.get("summary") or []))
-        elif kind == "function_call":
-            reply.tool_calls.append({"id": item.get("call_id"), "name": item.get("name"), "arguments": item.get("arguments")})
-    return reply
-
-
-def _responses_stream(events: list[tuple[str | None, Any]]) -> Reply:
-    for name, data in events:
-        if (name or data.get("type")) in ("response.completed", "response.incomplete", "response.failed"):
-            return _responses_body(data.get("response") or {})
-    return Reply(error="the stream has no response.completed event")
-
-
-def _anthropic_body(body: dict[str, Any]) -> Reply:
-    reply = Reply(finish_reason=body.get("stop_reason"))
-    for block in body.get("content") or []:
-        kind = block.get("type")
-        if kind == "text":
-            reply.content += block.get("text", "")
-        elif kind == "thinking":
-            reply.reasoning += block.get("thinking", "")
-        elif kind == "tool_use":
-            reply.tool_calls.append({"id": block.get("id"), "name": block.get("name"), "arguments": block.get("input")})
-    return reply
-
-
-def _anthropic_stream(events: list[tuple[str | None, Any]]) -> Reply:
-    blocks: dict[int, dict[str, Any]] = {}
-    finish = None
-    for _, data in events:
-        kind = data.get("type")
-        if kind == "content_block_start":
-            block = dict(data.get("content_block") or {})
-            block["partial_json"] = ""
-            blocks[data.get("index", 0)] = block
-        elif kind == "content_block_delta":
-            block, delta = blocks.setdefault(data.get("index", 0), {"type": "text", "partial_json": ""}), data.get("delta") or {}
-            if delta.get("type") == "text_delta":
-                block["text"] = block.get("text", "") + delta.get("text", "")
-            elif delta.get("type") == "thinking_delta":
-                block["thinking"] = block.get("thinking", "") + delta.get("thinking", "")
-            elif delta.get("type") == "input_json_delta":
-                block["partial_json"] += delta.get("partial_json", "")
-        elif kind == "message_delta":
-            finish = (data.get("delta") or {}).get("stop_reason") or finish
-        elif kind == "error":
-            return Reply(error=_error_text(data))
-    for block in blocks.values():
-        if block.get("type") == "tool_use" and block["partial_json"]:
-            block["input"] = json.loads(block["partial_json"])
-    return _anthropic_body({"content": [blocks[i] for i in sorted(blocks)], "stop_reason": finish})
-
-
-def _gemini_body(body: dict[str, Any]) -> Reply:
-    return _gemini_stream([(None, body)])
-
-
-def _gemini_stream(events: list[tuple[str | None, Any]]) -> Reply:
-    reply = Reply()
-    for _, chunk in events:
-        for candidate in (chunk.get("candidates") or [])[:1]:
-            for part in (candidate.get("content") or {}).get("parts") or []:
-                if "functionCall" in part:
-                    call = part["functionCall"]
-                    reply.tool_calls.append({"id": call.get("id"), "name": call.get("name"), "arguments": call.get("args")})
-                elif part.get("thought"):
-                    reply.reasoning += part.get("text", "")
-                else:
-                    reply.content += part.get("text", "")
-            reply.finish_reason = candidate.get("finishReason") or reply.finish_reason
-    return reply
-
-
-_BODIES = {"openai_chat": _chat_body, "openai_responses": _responses_body, "anthropic_messages": _anthropic_body, "gemini": _gemini_body}
-_STREAMS = {"openai_chat": _chat_stream, "openai_responses": _responses_stream, "anthropic_messages": _anthropic_stream, "gemini": _gemini_stream}
 
 _registered: LLMContentview | None = None
 

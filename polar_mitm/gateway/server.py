@@ -11,6 +11,7 @@ from mitmproxy import master as mitmproxy_master
 from mitmproxy import options
 from mitmproxy.addons import block, core, disable_h2c, dns_resolver, errorcheck, next_layer, proxyserver, tlsconfig
 
+from polar_mitm.gateway import options as gateway_options
 from polar_mitm.gateway.addon import PolarAddon
 from polar_mitm.gateway.config import GatewayConfig
 
@@ -38,18 +39,8 @@ def make_master(config: GatewayConfig):
 
     contentview.register()
     updates = {
+        **gateway_options.mitmproxy_updates(config),
         "connection_strategy": "lazy",
-        "polar_upstream": config.upstream,
-        "polar_db": str(config.db),
-        "polar_engine": config.engine,
-        "polar_engine_model": config.engine_model or "",
-        "polar_engine_timeout": config.engine_timeout,
-        "polar_split_reasoning": config.split_reasoning,
-        "polar_model_map": list(config.model_map),
-        "polar_require_auth": config.require_auth,
-        "polar_passthrough": list(config.passthrough),
-        "polar_sql_port": config.sql_port,
-        "polar_engine_hook": config.engine_hook,
         # the body must reach our hook whole; never stream it past the addon
         "stream_large_bodies": None,
     }

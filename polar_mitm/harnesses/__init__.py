@@ -1,11 +1,11 @@
 """Harness presets: how to run each real agent harness headless, quiet and offline-safe behind the gateway.
 
 A preset never changes where a harness thinks it sends model calls: the proxy settings of `polar-mitm run`
-(or `polar_mitm.run_cli.proxy_environment`) do the routing; the preset only turns off telemetry and update
+(or `polar_mitm.routing.proxy_environment`) do the routing; the preset only turns off telemetry and update
 checks, opens tool permissions for a headless run, maps model aliases and writes the config files the
 harness reads from its HOME. The whole interface:
 
-    harness = polar_mitm.harnesses.get("qwen")          # or "codex", "claude", "gemini"; NAMES lists them
+    harness = polar_mitm.harnesses.get("qwen")          # or "codex", "claude", "gemini" (NAMES; HARNESSES registry)
     harness.api                                         # the `exchanges.api` of its model calls
     harness.shell_tool, harness.shell_argument          # its shell tool and the argument holding the command
     harness.prepare_home(home, model)                   # write its config files into a private HOME
@@ -20,7 +20,6 @@ installed under `$POLAR_MITM_HOME/harnesses` (default ~/.cache/polar-mitm/harnes
 
 from __future__ import annotations
 
-import importlib
 import os
 import shutil
 import subprocess
@@ -29,8 +28,7 @@ from functools import cache
 from pathlib import Path
 
 from polar_mitm.errors import HarnessNotInstalled
-
-NAMES = ("codex", "claude", "qwen", "gemini")
+from polar_mitm.registry import Registry
 
 # variables that would point a harness somewhere other than its provider's default host, past the proxy
 BASE_URL_VARIABLES = (
@@ -40,8 +38,6 @@ BASE_URL_VARIABLES = (
 )
 # a key is required to start; the gateway never forwards it and redacts it from the store
 PLACEHOLDER_API_KEY = "sk-polar-mitm-placeholder"
-
-
 
 
 def install_prefix() -> Path:
@@ -128,7 +124,7 @@ class Harness:
         pass
 
 
-def get(name: str) -> Harness:
-    if name not in NAMES:
-        raise KeyError(f"unknown harness {name!r}; known: {', '.join(NAMES)}")
-    return importlib.import_module(f"polar_mitm.harnesses.{name}").HARNESS
+# one module per harness, each defining HARNESS (a Harness subclass instance); imported on first use
+HARNESSES: Registry[Harness] = Registry("harness", {name: f"polar_mitm.harnesses.{name}:HARNESS" for name in ("codex", "claude", "qwen", "gemini")})
+NAMES = HARNESSES.names()
+get = HARNESSES.get  # ConfigError naming the harnesses for an unknown name

@@ -104,7 +104,7 @@ def union_views(snapshots: list[NodeSnapshot]) -> list[str]:
     empty_exchanges = f"SELECT {typed_nulls}, NULL::VARCHAR AS node WHERE false"
     return [
         "CREATE OR REPLACE VIEW exchanges AS " + (" UNION ALL ".join(exchange_parts) or empty_exchanges),
-        # a session dispatched again after its node died before starting it has a row on both nodes: the later one counts
+        # a session dispatched again after its node died before starting it has a row on both nodes: the later counts
         "CREATE OR REPLACE VIEW sessions AS "
         + (f"SELECT * FROM ({' UNION ALL BY NAME '.join(session_parts)}) QUALIFY row_number() OVER (PARTITION BY session_id ORDER BY last_seen_at DESC NULLS LAST) = 1" if session_parts else "SELECT NULL::VARCHAR AS session_id WHERE false"),
     ]

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from polar_mitm.errors import EvaluatorError
-from polar_mitm.gateway.addon import load_hook
 from polar_mitm.rollout.models import Evaluation, Evaluator, TaskRequest
 from polar_mitm.rollout.runtimes import ExecResult, Sandbox, tail
+from polar_mitm.util import load_function
 
 
 @dataclass
@@ -65,7 +65,7 @@ async def evaluate(evaluator: Evaluator, sandbox: Sandbox, context: EvaluationCo
         reward, details = reward_from_output(result.stdout, result.exit_code)
         return Evaluation(reward=reward, exit_code=result.exit_code, output=tail(result.stdout + result.stderr, 2000), details=details)
     try:
-        function = load_hook(evaluator.python or "")
+        function = load_function(evaluator.python or "")
     except Exception as error:  # noqa: BLE001 - an unloadable evaluator is the evaluator's error
         raise EvaluatorError(f"cannot load evaluator {evaluator.python!r}: {error}") from error
     async with asyncio.timeout(evaluator.timeout_seconds):

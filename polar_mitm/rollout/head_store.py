@@ -110,7 +110,7 @@ class HeadStore:
         if not rows:
             return None
         keys = ("delivery_id", "kind", "url", "status", "attempts", "delivered_at", "last_error")
-        return Delivery.model_validate(dict(zip(keys, rows[0])))
+        return Delivery.model_validate(dict(zip(keys, rows[0], strict=True)))
 
     def save_delivery(self, delivery: Delivery) -> None:
         self._write(

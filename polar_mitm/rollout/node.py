@@ -9,8 +9,8 @@ with the exchange commits, without touching the gateway's `n_exchanges`/`last_se
 (exchange counts, the assembler) use `Store.query`; other processes read through the store's SQL endpoint
 as usual (`polar-mitm sql`, `polar_mitm.store.query`).
 
-Scale-out: a distributed engine would run one GatewayNode per machine and implement `Node` by forwarding
-check / run_session / export_task to it; nothing else crosses the boundary.
+Scale-out: ray_cluster.py runs one GatewayNode per Ray node (ray_node.py, a Ray actor) and implements `Node`
+by forwarding check / run_session to it; nothing else crosses the boundary.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import asyncio
 import json
 import logging
 import shutil
-import socket
 import tempfile
 import threading
 import time
@@ -29,33 +28,28 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from polar_mitm import harnesses
-from polar_mitm.gateway.config import DEFAULT_CONFDIR, GatewayConfig
+from polar_mitm.gateway.config import GatewayConfig
 from polar_mitm.rollout import relay, runtimes
 from polar_mitm.rollout.models import SessionResult, TaskRequest, TrajectorySummary, UploadStep
 from polar_mitm.rollout.runtimes import GatewayAccess, Sandbox, SandboxSpec
 from polar_mitm.rollout.scheduler import RequestRejected, SessionRun, SessionWork, StageLimits, Stages
 from polar_mitm.store import Store, now
+from polar_mitm.util import free_port, listening, load_function
 
 log = logging.getLogger("polar_mitm.rollout")
 
 
+# gateway options the node sets itself: sandboxes reach it at 127.0.0.1 (gateway_url, the relay); every sandbox
+# gets its own session credentials, so the gateway refuses traffic without them; it runs on a thread, without mitmweb
+NODE_OPTIONS = {"host": "127.0.0.1", "require_auth": True, "web": False}
+
+
 class NodeConfig(BaseModel):
-    upstream: str = Field(description="The engine's OpenAI-compatible base URL.")
-    db: Path = Field(Path("polar.duckdb"), description="The DuckDB store (the node's gateway owns it).")
-    confdir: str = Field(DEFAULT_CONFDIR, description="mitmproxy confdir: CA and session secret.")
-    gateway_port: int = Field(0, ge=0, le=65535, description="The gateway's proxy port on 127.0.0.1 (0: a free one).")
-    engine: str = "vllm"
-    engine_model: str | None = None
-    engine_hook: str = ""
+    gateway: GatewayConfig = Field(
+        description="The node's gateway: it owns the store (`gateway.db`); port 0: a free one; NODE_OPTIONS override its values."
+    )
     output_dir: Path | None = Field(None, description="Harness logs and Parquet files (default: <db>.rollouts/ beside the store).")
     limits: StageLimits = Field(default_factory=StageLimits)
-    verbose: bool = False
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 class InProcessGateway:
@@ -83,7 +77,7 @@ class InProcessGateway:
         while time.monotonic() < deadline:
             if self.failure is not None or not self.thread.is_alive():
                 raise RuntimeError(f"the gateway did not start: {self.failure!r}")
-            if created.is_set() and ca.exists() and _listening(self.config.port):
+            if created.is_set() and ca.exists() and listening(self.config.port):
                 return
             time.sleep(0.05)
         raise TimeoutError(f"the gateway did not listen on 127.0.0.1:{self.config.port} within {timeout:.0f}s")
@@ -108,27 +102,16 @@ class InProcessGateway:
             self.thread.join(timeout=30)
 
 
-def _listening(port: int) -> bool:
-    with socket.socket() as probe:
-        probe.settimeout(0.2)
-        return probe.connect_ex(("127.0.0.1", port)) == 0
-
-
 class GatewayNode:
     """This machine: its gateway, store, sandboxes and stage limits. Implements scheduler.Node."""
 
     def __init__(self, config: NodeConfig):
         # sandboxes run elsewhere: every path handed to them must be absolute
-        self.confdir = Path(config.confdir).expanduser().resolve()
+        self.confdir = Path(config.gateway.confdir).expanduser().resolve()
         self.config = config
-        self.port = config.gateway_port or free_port()
-        self.output_dir = (config.output_dir or config.db.with_suffix(".rollouts")).resolve()
-        self.gateway = InProcessGateway(
-            GatewayConfig(
-                port=self.port, upstream=config.upstream, db=config.db, confdir=str(self.confdir), engine=config.engine,
-                engine_model=config.engine_model, engine_hook=config.engine_hook, require_auth=True, verbose=config.verbose,
-            )
-        )
+        self.port = config.gateway.port or free_port()
+        self.output_dir = (config.output_dir or config.gateway.db.with_suffix(".rollouts")).resolve()
+        self.gateway = InProcessGateway(config.gateway.model_copy(update={"port": self.port, "confdir": str(self.confdir), **NODE_OPTIONS}))
         self.stages: Stages | None = None
         self.relay_dir: Path | None = None
         self.relay_server: asyncio.AbstractServer | None = None
@@ -158,7 +141,7 @@ class GatewayNode:
         await asyncio.to_thread(self.gateway.stop)
 
     def health(self) -> dict[str, Any]:
-        return {"gateway": self.gateway_url, "gateway_listening": _listening(self.port), "upstream": self.config.upstream, "db": str(self.config.db), "limits": self.config.limits.model_dump()}
+        return {"gateway": self.gateway_url, "gateway_listening": listening(self.port), "upstream": self.config.gateway.upstream, "db": str(self.config.gateway.db), "limits": self.config.limits.model_dump()}
 
     # -- the Node interface
     async def check(self, request: TaskRequest) -> None:
@@ -187,10 +170,8 @@ class GatewayNode:
             if isinstance(step, UploadStep) and step.upload.source is not None and not Path(step.upload.source).expanduser().exists():
                 raise RequestRejected(("runtime", "prepare", str(index), "upload", "source"), f"{step.upload.source!r} does not exist on the rollout server's machine")
         if request.evaluator is not None and request.evaluator.python is not None:
-            from polar_mitm.gateway.addon import load_hook
-
             try:
-                load_hook(request.evaluator.python)
+                load_function(request.evaluator.python)
             except Exception as error:  # noqa: BLE001 - any import failure is the request's problem
                 raise RequestRejected(("evaluator", "python"), f"cannot load {request.evaluator.python!r}: {error}") from None
 
@@ -243,7 +224,8 @@ class GatewayNode:
 
 
 def export_sessions(store: Any, task_id: str, session_ids: list[str], builder: str, options: dict[str, Any], path: Path) -> tuple[Path, dict[str, Any]]:
-    """Assemble the sessions from `store` (a Store, or anything with its query surface) into the task's Parquet: (path, stats)."""
+    """Assemble the sessions from `store` (a Store, or anything with its query surface) into the task's Parquet:
+    (path, stats)."""
     from polar_mitm.assembler import assemble
     from polar_mitm.assembler.export import write_parquet
 

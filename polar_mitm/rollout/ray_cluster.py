@@ -4,7 +4,7 @@
 
 or, inside a trainer's own Ray job (ray.init already called):
 
-    cluster = await RolloutCluster.start(ClusterConfig(node=NodeConfig(upstream=..., db=...)))
+    cluster = await RolloutCluster.start(ClusterConfig(node=NodeConfig(gateway=GatewayConfig(upstream=..., db=...))))
     task = await cluster.submit(TaskRequest(...)); result = (await cluster.wait(task.task_id)).result()
 
 Placement. Every alive Ray node with the `polar_node` resource gets one detached, named actor (ray_node.py),
@@ -37,9 +37,9 @@ from __future__ import annotations
 
 import asyncio
 import heapq
-from contextlib import asynccontextmanager
 import itertools
 import logging
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,13 +51,18 @@ from pydantic import BaseModel, Field
 
 from polar_mitm.errors import RequestRejected
 from polar_mitm.rollout.callbacks import CallbackSender
-from polar_mitm.rollout.cluster_store import NodeSnapshot, UnionStore, snapshot_closed_store, snapshot_dir, write_catalog
+from polar_mitm.rollout.cluster_store import (
+    NodeSnapshot,
+    UnionStore,
+    snapshot_closed_store,
+    snapshot_dir,
+    write_catalog,
+)
 from polar_mitm.rollout.head_store import HeadStore
 from polar_mitm.rollout.models import Delivery, SessionResult, TaskRequest, TaskResult
 from polar_mitm.rollout.node import NodeConfig, export_sessions
 from polar_mitm.rollout.ray_node import NAMESPACE, NODE_RESOURCE, NodeActor
 from polar_mitm.rollout.scheduler import Report, Scheduler, SessionWork, Task, _uncancel
-from polar_mitm.store import now
 
 log = logging.getLogger("polar_mitm.rollout.ray")
 
@@ -66,15 +71,16 @@ NODE_LABEL = "polar-node"
 
 class ClusterConfig(BaseModel):
     address: str | None = Field(None, description="Ray address ('auto', 'ray://...', host:port); None: the job's own cluster, else a local one.")
-    node: NodeConfig = Field(description="Every node's config; its db names the directory and stem of each node's store.")
+    node: NodeConfig = Field(description="Every node's config; its gateway.db names the directory and stem of each node's store.")
     head_db: Path | None = Field(None, description="The head's own DuckDB (tasks, sessions, deliveries); default <db stem>.head.duckdb.")
     output_dir: Path | None = Field(None, description="The head's task Parquet files and cluster.duckdb; default <db stem>.head/.")
     poll_interval: float = Field(0.5, gt=0, description="Seconds between the head's polls of every node (stage snapshots, liveness).")
     keep_nodes: bool = Field(False, description="Leave the node actors running when the head closes (a new head re-attaches to them).")
 
     def resolved(self) -> ClusterConfig:
-        db = self.node.db.expanduser().resolve()  # actors run in other working directories
-        node = self.node.model_copy(update={"db": db, "output_dir": self.node.output_dir.resolve() if self.node.output_dir else None})
+        db = self.node.gateway.db.expanduser().resolve()  # actors run in other working directories
+        gateway = self.node.gateway.model_copy(update={"db": db, "confdir": str(Path(self.node.gateway.confdir).expanduser().resolve())})
+        node = self.node.model_copy(update={"gateway": gateway, "output_dir": self.node.output_dir.resolve() if self.node.output_dir else None})
         return self.model_copy(update={
             "node": node,
             "head_db": (self.head_db or db.with_name(f"{db.stem}.head.duckdb")).expanduser().resolve(),
@@ -178,7 +184,8 @@ class RayNodes:
         try:
             actor = ray.get_actor(actor_name, namespace=NAMESPACE)
         except ValueError:
-            config = self.config.node.model_copy(update={"db": node_db(self.config.node.db, name)})
+            gateway = self.config.node.gateway.model_copy(update={"db": node_db(self.config.node.gateway.db, name)})
+            config = self.config.node.model_copy(update={"gateway": gateway})
             actor = ray.remote(NodeActor).options(
                 name=actor_name, namespace=NAMESPACE, lifetime="detached", num_cpus=0, resources={NODE_RESOURCE: 1}, max_concurrency=10_000,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
@@ -330,7 +337,7 @@ class RayNodes:
         name = node.name if node else name
         last = (node.last_load.get("active") or {}).get(work.session_id) if node else None
         result = SessionResult.model_validate(last) if last else _placeholder(work)
-        db = node.db if node else node_db(self.config.node.db, str(name))
+        db = node.db if node else node_db(self.config.node.gateway.db, str(name))
         kept = await asyncio.to_thread(_count_exchanges, db, work.session_id)
         n_exchanges = kept if kept is not None else result.n_exchanges
         reason = why or (f"its node {name} died mid-session ({type(error).__name__})" if error else f"its node {name} is gone")
@@ -352,7 +359,7 @@ class RayNodes:
             rounds += 1
             alive = [n for n in self.nodes.values() if n.alive]
             loads = await asyncio.gather(*(asyncio.wait_for(_await(n.actor.load.remote()), 30) for n in alive), return_exceptions=True)
-            for node, load in zip(alive, loads):
+            for node, load in zip(alive, loads, strict=True):
                 if isinstance(load, self.actor_errors):
                     self._lost(node, load)
                 elif isinstance(load, dict):
@@ -505,7 +512,8 @@ class RayScheduler(Scheduler):
         self.head.task_finished(task.task_id, task.finished_at, task.trajectories, task.trajectory_stats, task.early_stopped)
 
     def recover(self) -> int:
-        """Every task the head store holds, back in memory; unfinished sessions re-attached or dispatched. Returns the count."""
+        """Every task the head store holds, back in memory; unfinished sessions re-attached or dispatched.
+        Returns how many tasks came back."""
         recovered = 0
         for stored in self.head.tasks():
             if stored.task_id in self.tasks:
@@ -565,10 +573,11 @@ class RolloutCluster:
 def create_ray_app(config: ClusterConfig) -> Any:
     """The rollout server's API (server.py) with the cluster as its backend, plus:
 
-        GET    /nodes                                 every node: alive, draining, sessions by stage, engines; the head queue
-        DELETE /nodes/{name}                          drain: nothing new goes there; what runs there finishes
-        POST   /nodes/{name}/engines/{take-out|put-back}   {"url": ...}: one of the node's engines out of / back in service
-        GET    /sql?q=SELECT...                       one read-only query over every node's store
+        GET    /nodes                    every node: alive, draining, sessions by stage, engines; the head queue
+        DELETE /nodes/{name}             drain: nothing new goes there; what runs there finishes
+        POST   /nodes/{name}/engines/{take-out|put-back}
+                                         {"url": ...}: one of the node's engines out of / back in service
+        GET    /sql?q=SELECT...          one read-only query over every node's store
     """
     from polar_mitm.rollout.server import create_app
 

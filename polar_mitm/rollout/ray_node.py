@@ -61,7 +61,7 @@ class NodeActor:
 
         return {
             "name": self.name, "ray_node_id": ray.get_runtime_context().get_node_id(), "hostname": socket.gethostname(), "pid": os.getpid(),
-            "gateway": self.node.gateway_url, "db": str(Path(self.config.db).resolve()), "upstream": self.config.upstream,
+            "gateway": self.node.gateway_url, "db": str(Path(self.config.gateway.db).resolve()), "upstream": self.config.gateway.upstream,
             "limits": self.config.limits.model_dump(), "recovered_sessions": self.recovered,
         }
 
@@ -107,7 +107,7 @@ class NodeActor:
         engine = self._engine()
         if hasattr(engine, "status"):
             return engine.status()
-        return [{"url": self.config.upstream, "in_service": True}]
+        return [{"url": self.config.gateway.upstream, "in_service": True}]
 
     def take_out_engine(self, url: str) -> list[dict[str, Any]]:
         self._router().take_out(url)
@@ -124,11 +124,11 @@ class NodeActor:
     def _router(self) -> Any:
         engine = self._engine()
         if not hasattr(engine, "take_out"):
-            raise ValueError(f"node {self.name} has one engine ({self.config.upstream}); start it with several --upstream to route")
+            raise ValueError(f"node {self.name} has one engine ({self.config.gateway.upstream}); start it with several --upstream to route")
         return engine
 
     async def snapshot(self) -> dict[str, Any]:
-        db = Path(self.config.db).resolve()
+        db = Path(self.config.gateway.db).resolve()
         return (await asyncio.to_thread(snapshot_store, self.node.store.con, db, self.name, snapshot_dir(db))).model_dump()
 
     async def stop(self) -> None:

@@ -366,7 +366,7 @@ class Scheduler:
             task.finisher = asyncio.create_task(self._finish(task), name=f"finish {task.task_id}")
 
     def _early_stop(self, task: Task) -> None:
-        """Once `early_stop_min_usable_sessions` are usable, cancel the stragglers (they end `cancelled`, no trajectory)."""
+        """Once `early_stop_min_usable_sessions` are usable, cancel the stragglers (they end `cancelled`)."""
         wanted = task.request.early_stop_min_usable_sessions
         if wanted is None or sum(s.usable for s in task.sessions.values()) < wanted:
             return

@@ -8,6 +8,7 @@
     await sandbox.destroy()                      # always; kills whatever is left and removes everything
 
 `exec`/`run_harness` raise TimeoutError past their timeout, and kill what they started when cancelled.
+Each backend is a `Sandbox` subclass (the ABC below) registered in RUNTIMES under its `runtime.backend` name.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from polar_mitm import run_cli
+from polar_mitm import routing
 from polar_mitm.harnesses import Harness
+from polar_mitm.registry import Registry
 from polar_mitm.rollout.models import Agent, Runtime, Upload
 
 OUTPUT_TAIL = 4000
@@ -61,7 +63,7 @@ class Sandbox(abc.ABC):
 
     def proxy_environment(self, base: Mapping[str, str]) -> dict[str, str]:
         """`base` routed through the gateway as this session (host view: loopback URL, CA bundle in the confdir)."""
-        return run_cli.proxy_environment(self.id, self.spec.gateway.confdir, self.spec.gateway.url, base=base)
+        return routing.proxy_environment(self.id, self.spec.gateway.confdir, self.spec.gateway.url, base=base)
 
     @abc.abstractmethod
     async def start(self) -> None: ...
@@ -96,15 +98,16 @@ def write_home_files(home: Path, files: Mapping[str, str]) -> None:
         path.write_text(text)
 
 
+# backend name -> Sandbox class, imported on first use
+RUNTIMES: Registry[type[Sandbox]] = Registry(
+    "runtime",
+    {"local": "polar_mitm.rollout.runtimes.local:LocalSandbox", "docker": "polar_mitm.rollout.runtimes.docker:DockerSandbox"},
+)
+
+
 async def create(spec: SandboxSpec) -> Sandbox:
-    if spec.runtime.backend == "docker":
-        from polar_mitm.rollout.runtimes.docker import DockerSandbox
-
-        sandbox: Sandbox = DockerSandbox(spec)
-    else:
-        from polar_mitm.rollout.runtimes.local import LocalSandbox
-
-        sandbox = LocalSandbox(spec)
+    """A started sandbox of `spec.runtime.backend` (a name in RUNTIMES); destroyed again if starting fails."""
+    sandbox = RUNTIMES.get(spec.runtime.backend)(spec)
     try:
         await sandbox.start()
     except BaseException:

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from polar_mitm import harnesses, run_cli
+from polar_mitm import harnesses, routing
 from polar_mitm.errors import DockerUnavailable
 from polar_mitm.harnesses import Harness
 from polar_mitm.rollout import relay
@@ -101,7 +101,7 @@ class DockerSandbox(Sandbox):
         from docker.types import Mount
 
         runtime = self.spec.runtime
-        mounts = [Mount(CONTAINER_CA, str(run_cli.ca_bundle(self.spec.gateway.confdir)), type="bind", read_only=True)]
+        mounts = [Mount(CONTAINER_CA, str(routing.ca_bundle(self.spec.gateway.confdir)), type="bind", read_only=True)]
         if runtime.mount_harnesses:
             prefix = harnesses.install_prefix()
             mounts.append(Mount(str(prefix), str(prefix), type="bind", read_only=True))
@@ -236,11 +236,11 @@ class DockerSandbox(Sandbox):
                     tar.add(str(entry), arcname=entry.name)
         await self._put(self.home, buffer.getvalue())
         routed = self.proxy_environment({"PATH": self.path, "LANG": "C.UTF-8", **self.spec.runtime.env})
-        routed.update({name: CONTAINER_CA for name in run_cli.CA_VARIABLES})
+        routed.update({name: CONTAINER_CA for name in routing.CA_VARIABLES})
         if self.spec.runtime.network == "gateway":
             # same credentials, the container's own loopback relay instead of the gateway's port
             credentials = routed["HTTPS_PROXY"].split("@", 1)[0]
-            routed.update({name: f"{credentials}@127.0.0.1:{RELAY_PORT}" for name in run_cli.PROXY_VARIABLES})
+            routed.update({name: f"{credentials}@127.0.0.1:{RELAY_PORT}" for name in routing.PROXY_VARIABLES})
         env = harness.environment(self.home, agent.model, base=routed)
         env.update(agent.env)
         if self.spec.runtime.mount_harnesses:

@@ -1,0 +1,173 @@
+"""The gateway's options, each declared once; everything else that names an option is generated from `OPTIONS`:
+
+- the addon's mitmproxy options (`PolarAddon.load` -> `declare`): `polar_<name>`, as in
+  `mitmdump -s addons/polar.py --set polar_engine_timeout=120`;
+- the config model (`gateway/config.py` `GatewayConfig`), which `NodeConfig` of the rollout server embeds;
+- the flags of `polar-mitm gateway`, `polar-mitm rollout serve` and `polar-mitm rollout run` (`add_arguments`);
+- the option update `gateway/server.py` `make_master` applies (`mitmproxy_updates`).
+
+Adding an option is one row here, then reading `ctx.options.polar_<name>` (and checking its value) in the
+addon's `configure()`; e.g. a cap on concurrent engine calls:
+
+    Option("engine_concurrency", int, 0, "At most this many engine calls at once (0: no limit).",
+           flag_help="concurrent engine calls (default 0: no limit)"),
+
+gives `--set polar_engine_concurrency=8`, `GatewayConfig(engine_concurrency=8)` and `--engine-concurrency 8` on
+all three commands (the rollout commands leave out only what the node sets itself: cli/rollout.py NODE_SETS).
+Checks on values stay in the addon's `configure()` (one place for mitmdump and the CLI).
+
+Options that are not the addon's (`addon=False`: the listen address, confdir, mitmweb, the terminal log) are
+mitmproxy's own or the process's; `make_master` applies them, and they have no `polar_` name.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DEFAULT_CONFDIR = "~/.mitmproxy"
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str  # config field; the mitmproxy option is polar_<name>; the flag --<name with dashes>
+    type: Any  # str, int, float, bool, Path or list[str]
+    default: Any
+    help: str  # the contract: mitmproxy's option help and the config field's description
+    flag_help: str | None = None  # the short --help line (None: none)
+    flags: tuple[str, ...] = ()  # default: ("--<name with dashes>",)
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+    required: bool = False  # the config model and `polar-mitm gateway` need it; the addon defaults to `default`
+    addon: bool = True  # a polar_ option of the addon; False: mitmproxy's own or the process's
+    cli: bool = True  # has a command-line flag
+    joined: str | None = None  # a str option whose flag repeats: the values joined with this (e.g. several upstreams)
+
+    @property
+    def mitmproxy_name(self) -> str:
+        return f"polar_{self.name}"
+
+    @property
+    def flag_names(self) -> tuple[str, ...]:
+        return self.flags or ("--" + self.name.replace("_", "-"),)
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("port", int, 8080, "Proxy port on the listen host.", "proxy port on 127.0.0.1 (default 8080)", addon=False),
+    Option("host", str, "127.0.0.1", "Listen address; loopback by default.", addon=False, cli=False),
+    Option(
+        "upstream", str, "",
+        "The inference engine's OpenAI-compatible base URL, e.g. http://127.0.0.1:8011/v1; several, comma-separated: each session stays "
+        "on one engine, new sessions go to the least busy, an unreachable one is taken out and probed back (engines/router.py).",
+        "engine base URL, e.g. http://127.0.0.1:8011/v1; repeat it for several engines", required=True, joined=",",
+    ),
+    Option("db", Path, Path("polar.duckdb"), "The DuckDB file every exchange is committed to.", "DuckDB store (default polar.duckdb)"),
+    Option(
+        "confdir", str, DEFAULT_CONFDIR, "mitmproxy confdir: its CA and the session secret live here.",
+        f"mitmproxy confdir, where its CA and the session secret live (default {DEFAULT_CONFDIR})", addon=False,
+    ),
+    Option("engine", str, "vllm", "The engine kind behind polar_upstream: vllm or sglang.", "engine kind (default vllm)", choices=("vllm", "sglang")),
+    Option(
+        "engine_model", str, "", "The engine's served model name; empty: discovered from its /models.",
+        "engine's served model name (default: discovered from /models)",
+    ),
+    Option("engine_timeout", float, 600.0, "Seconds to wait for one engine call before answering 504.", "seconds per engine call (default 600)"),
+    Option(
+        "split_reasoning", bool, False,
+        "Split a leading <think>...</think> out of the engine's content into reasoning, for engines served without a reasoning parser.",
+        "split inline <think>...</think> from engine content into reasoning (engines without a reasoning parser)",
+    ),
+    Option(
+        "model_map", list[str], (),
+        "Which requested model names are served, as glob patterns, optionally '=ENGINE_MODEL'. Empty: every name is served by the "
+        "engine's model; otherwise an unmatched name gets a 404 in the provider's shape.",
+        "serve only these requested model names (repeatable)", metavar="GLOB[=MODEL]",
+    ),
+    Option(
+        "require_auth", bool, False, "Answer 407 to requests without valid session credentials in the proxy URL.",
+        "407 unless the proxy URL carries valid session credentials",
+    ),
+    Option(
+        "passthrough", list[str], (),
+        "Hosts (glob patterns) whose non-model traffic is forwarded to the real network. Empty: every non-model request is "
+        "answered locally with a 404.",
+        "forward non-model traffic to these hosts (repeatable)", metavar="HOST_GLOB",
+    ),
+    Option(
+        "engine_hook", str, "",
+        "A function 'module:name' or 'path/to/file.py:name' called as hook(engine_request, context) before each engine call; it "
+        "may return a changed request (e.g. sampling params, structured outputs). The row records the request as sent.",
+        "function applied to each engine request (sampling params, structured outputs)", metavar="MODULE:FUNC",
+    ),
+    Option(
+        "sql_port", int, 0, "Loopback port of the read-only SQL endpoint for other processes (0: any free port).",
+        "loopback port for read-only SQL from other processes (default: any)",
+    ),
+    Option("web", bool, False, "Serve mitmweb's UI too (mitmweb keeps all of mitmdump's addons).", "serve mitmweb's UI too", addon=False),
+    Option("web_port", int, 8081, "mitmweb's UI port on 127.0.0.1 (with web).", addon=False),  # no help line, as before
+    Option("verbose", bool, False, "The gateway's own log (mitmproxy's termlog) on the terminal.", "the gateway's own log on the terminal", flags=("-v", "--verbose"), addon=False),
+)
+
+
+def mitmproxy_type(option: Option) -> Any:
+    """The typespec mitmproxy checks values against (it knows str, not Path; Sequence[str], not list[str])."""
+    if option.type is Path:
+        return str
+    if option.type == list[str]:
+        return Sequence[str]
+    return option.type
+
+
+def mitmproxy_value(option: Option, value: Any) -> Any:
+    if option.type is Path:
+        return str(value)
+    if option.type == list[str]:
+        return list(value)
+    return value
+
+
+def declare(loader: Any) -> None:
+    """Declare the addon's options on mitmproxy's loader (PolarAddon.load)."""
+    for option in OPTIONS:
+        if option.addon:
+            loader.add_option(option.mitmproxy_name, mitmproxy_type(option), mitmproxy_value(option, option.default), option.help)
+
+
+def mitmproxy_updates(config: Any) -> dict[str, Any]:
+    """The addon's options as `master.options.update(**...)` takes them, from a GatewayConfig."""
+    return {option.mitmproxy_name: mitmproxy_value(option, getattr(config, option.name)) for option in OPTIONS if option.addon}
+
+
+def add_arguments(parser: argparse.ArgumentParser, exclude: Iterable[str] = (), overrides: dict[str, dict[str, Any]] | None = None, prefix: str = "") -> None:
+    """One flag per option with `cli`, named and explained by the table; its value lands in `args.<prefix><name>`.
+    `overrides[name]` replaces argparse keyword arguments of that flag (e.g. another spelling in `flags`)."""
+    excluded = set(exclude)
+    for option in OPTIONS:
+        if not option.cli or option.name in excluded:
+            continue
+        kwargs: dict[str, Any] = {"dest": prefix + option.name, "help": option.flag_help}
+        if option.type is bool:
+            kwargs.update(action="store_true")
+        elif option.type == list[str]:
+            kwargs.update(action="append", default=list(option.default), metavar=option.metavar)
+        elif option.joined:
+            kwargs.update(action="append", metavar=option.metavar or option.name.upper())
+            kwargs.update({"required": True} if option.required else {"default": None})
+        else:
+            kwargs.update(type=option.type, metavar=option.metavar or (None if option.choices else option.name.upper()), choices=option.choices)
+            kwargs.update({"required": True} if option.required else {"default": option.default})
+        kwargs.update((overrides or {}).get(option.name, {}))
+        flags = kwargs.pop("flags", option.flag_names)
+        parser.add_argument(*flags, **{k: v for k, v in kwargs.items() if v is not None or k == "default"})
+
+
+def from_arguments(args: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
+    """The option values `add_arguments(..., prefix=prefix)` parsed, as GatewayConfig keyword arguments."""
+    values = {option.name: getattr(args, prefix + option.name) for option in OPTIONS if hasattr(args, prefix + option.name)}
+    for option in OPTIONS:
+        if option.joined and isinstance(values.get(option.name), list):
+            values[option.name] = option.joined.join(values[option.name])
+    return values

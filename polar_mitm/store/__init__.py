@@ -1,0 +1,99 @@
+"""The DuckDB store: one row per model exchange, committed before the client gets its reply.
+
+Modules, bottom up (each imports only those above it in this list, and nothing of polar_mitm outside the store):
+    schema     the contract: exchange and session columns, ExchangeRow, MATERIAL, the trajectories schema
+    records    journal records: how a row is written into a journal table and read back typed
+    segments   Parquet segments, the `exchanges` view over journals and segments, compaction steps, migration
+    control    the loopback read-only SQL endpoint a gateway serves, and its control file
+    client     query() / query_dicts(): read a store from any process (directly, or through its gateway)
+    views      the documented SQL views (session_timeline, token_usage, breaks, ...)
+    writer     Store: the single writer of one file (writer thread, group commits, compactor)
+
+Every name below is importable from `polar_mitm.store` as before the split.
+"""
+
+from polar_mitm.store import views
+from polar_mitm.store.client import query, query_dicts
+from polar_mitm.store.control import READ_ONLY_STATEMENTS, check_read_only, control_file
+from polar_mitm.store.records import (
+    BODY_FIELDS,
+    BODY_STRUCTURE,
+    HEAD_FIELDS,
+    HEAD_STRUCTURE,
+    JOURNAL_ARROW_SCHEMA,
+    JOURNAL_COLUMNS,
+    JOURNAL_PREFIX,
+    JOURNAL_SELECT,
+    PROMPT_IDS_AT,
+    journal_records,
+    journal_source,
+    journal_table,
+)
+from polar_mitm.store.schema import (
+    COMPLETED_STATUSES,
+    DOUBLE_LISTS,
+    EXCHANGE_COLUMNS,
+    EXCHANGES_DOC,
+    JSON_COLUMNS,
+    MATERIAL,
+    SCHEMA_VERSION,
+    SESSION_COLUMNS,
+    TRAJECTORIES,
+    TRAJECTORIES_SCHEMA,
+    ExchangeRow,
+    now,
+)
+from polar_mitm.store.segments import (
+    SEGMENT_SELECT,
+    SEGMENTS_TABLE,
+    add_segment,
+    ensure_schema,
+    exchanges_view_sql,
+    segment_file,
+    segments_dir,
+    write_parquet,
+)
+from polar_mitm.store.writer import SESSION_ARROW_SCHEMA, Store
+
+__all__ = [
+    "BODY_FIELDS",
+    "BODY_STRUCTURE",
+    "COMPLETED_STATUSES",
+    "DOUBLE_LISTS",
+    "EXCHANGES_DOC",
+    "EXCHANGE_COLUMNS",
+    "HEAD_FIELDS",
+    "HEAD_STRUCTURE",
+    "JOURNAL_ARROW_SCHEMA",
+    "JOURNAL_COLUMNS",
+    "JOURNAL_PREFIX",
+    "JOURNAL_SELECT",
+    "JSON_COLUMNS",
+    "MATERIAL",
+    "PROMPT_IDS_AT",
+    "READ_ONLY_STATEMENTS",
+    "SCHEMA_VERSION",
+    "SEGMENTS_TABLE",
+    "SEGMENT_SELECT",
+    "SESSION_ARROW_SCHEMA",
+    "SESSION_COLUMNS",
+    "TRAJECTORIES",
+    "TRAJECTORIES_SCHEMA",
+    "ExchangeRow",
+    "Store",
+    "add_segment",
+    "check_read_only",
+    "control_file",
+    "ensure_schema",
+    "exchanges_view_sql",
+    "journal_records",
+    "journal_source",
+    "journal_table",
+    "now",
+    "query",
+    "query_dicts",
+    "segment_file",
+    "segments_dir",
+    "views",
+    "write_parquet",
+]

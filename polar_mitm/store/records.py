@@ -1,0 +1,192 @@
+"""Journal records: how an exchange row is written into a journal table, and read back with the contract's types.
+
+A journal row is six columns: the ones live SQL filters on most, then the other fields as two JSON objects, a
+small head (scalars, headers) and a body (texts, token ids, logprobs), so a query on the head never parses a
+body. DuckDB charges ~20 us per column for every INSERT however small, which the reply waits for; the records
+are parsed back when read (json_transform) and once more when the journal becomes a segment.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import duckdb
+import orjson
+import pyarrow as pa
+
+from polar_mitm.store.schema import (
+    ARROW_TYPES,
+    DOUBLE_LISTS,
+    EXCHANGE_COLUMNS,
+    JSON_COLUMNS,
+    base_type,
+    quote,
+)
+
+JOURNAL_PREFIX = "exchange_journal_"
+JOURNAL_COLUMNS = {"exchange_id": "VARCHAR", "session_id": "VARCHAR", "seq": "INTEGER", "status": "VARCHAR", "head": "BLOB", "body": "BLOB"}
+BODY_FIELDS = ["request_body", "engine_request", "engine_response", "response_body", "response_stream", "prompt_token_ids", "completion_token_ids", "completion_logprobs"]
+HEAD_FIELDS = [name for name in EXCHANGE_COLUMNS if name not in JOURNAL_COLUMNS and name not in BODY_FIELDS]
+
+
+def _record_type(kind: str) -> Any:
+    """How a field is spelled in a record, as a json_transform structure. JSON columns travel as strings (their
+    text is kept exactly), DOUBLE[] as text DuckDB casts (JSON has no inf or nan)."""
+    base = base_type(kind)
+    if base in ("JSON", "DOUBLE[]"):
+        return "VARCHAR"
+    return [base[:-2]] if base.endswith("[]") else base
+
+
+# where in engine_response the prompt ids are, when they are left out of the body (see journal_records)
+PROMPT_IDS_AT = "prompt_token_ids_at"
+HEAD_STRUCTURE = json.dumps({name: _record_type(EXCHANGE_COLUMNS[name]) for name in HEAD_FIELDS}, separators=(",", ":"))
+BODY_STRUCTURE = json.dumps({**{name: _record_type(EXCHANGE_COLUMNS[name]) for name in BODY_FIELDS}, PROMPT_IDS_AT: ["BIGINT"]}, separators=(",", ":"))
+# a group commit's rows reach DuckDB as one Arrow table: one statement for the batch instead of one per row
+JOURNAL_ARROW_SCHEMA = pa.schema([(name, ARROW_TYPES[kind]) for name, kind in JOURNAL_COLUMNS.items()])
+
+
+def journal_table(number: int) -> str:
+    return f"{JOURNAL_PREFIX}{number:06d}"
+
+
+def _from_journal(name: str) -> str:
+    """The contract-typed expression for one column, read from a journal row."""
+    kind = base_type(EXCHANGE_COLUMNS[name])
+    if name in JOURNAL_COLUMNS:
+        return f'"{name}"'
+    record = "b" if name in BODY_FIELDS else "h"
+    if name == "prompt_token_ids":
+        from_response = f"json_transform(substr(b.engine_response, b.{PROMPT_IDS_AT}[1], b.{PROMPT_IDS_AT}[2]), '[\"INTEGER\"]')"
+        return f'coalesce(b."{name}", {from_response}) AS "{name}"'
+    if kind in ("JSON", "DOUBLE[]"):
+        return f'CAST({record}."{name}" AS {kind}) AS "{name}"'
+    return f'{record}."{name}" AS "{name}"'
+
+
+JOURNAL_SELECT = ", ".join(_from_journal(name) for name in EXCHANGE_COLUMNS)
+
+
+def journal_source(number: int) -> str:
+    columns = ", ".join(f'"{name}"' for name in JOURNAL_COLUMNS if name not in ("head", "body"))
+    return (
+        f"(SELECT {columns}, json_transform(decode(head), {quote(HEAD_STRUCTURE)}) AS h, "
+        f"json_transform(decode(body), {quote(BODY_STRUCTURE)}) AS b FROM {journal_table(number)})"
+    )
+
+
+def _json_text(value: Any) -> str:
+    """The JSON text of a JSON column's value; text that is not strict JSON (e.g. NaN) is stored as re-encoded."""
+    text = getattr(value, "text", None)  # the engine's request and reply, kept as they crossed the wire
+    if isinstance(text, str):
+        if getattr(value, "strict", True):
+            return text
+        return _dumps(dict(value)).decode()
+    if isinstance(value, (bytes, bytearray)):
+        value = value.decode("utf-8", "replace")
+    if isinstance(value, str):
+        try:
+            orjson.loads(value)
+            return value
+        except orjson.JSONDecodeError:
+            return _dumps(value).decode()  # kept whole, as a JSON string
+    return _dumps(value).decode()
+
+
+def _prompt_ids_at(response: Any, prompt_ids: Any) -> list[int] | None:
+    """[start, length] of the prompt ids' array inside the engine reply's text (1-based, in characters, as DuckDB's
+    substr counts), when the ids are a slice of that text (engines.base.TokenIds); readers parse just that slice."""
+    text = getattr(response, "text", None)
+    if text is None or getattr(prompt_ids, "source", None) is not text or not getattr(response, "strict", False):
+        return None
+    return [prompt_ids.start + 1, prompt_ids.end - prompt_ids.start]
+
+
+def _list_text(values: Any) -> str:
+    text = orjson.dumps(values)
+    if b"null" in text:
+        # orjson writes inf and nan as null; DuckDB's DOUBLE[] cast reads Python's spelling of them
+        return "[" + ", ".join("NULL" if v is None else repr(float(v)) for v in values) + "]"
+    return text.decode()
+
+
+def _dumps(value: Any) -> bytes:
+    try:
+        return orjson.dumps(value, default=_as_list)
+    except (orjson.JSONEncodeError, TypeError):
+        # lone surrogates, integers beyond 64 bits, odd types: stored as near as JSON allows, not refused
+        return json.dumps(_sanitized(value), ensure_ascii=False, allow_nan=False, default=str).encode("utf-8", "replace")
+
+
+def _as_list(value: Any) -> list[Any]:
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        return list(value)  # e.g. TokenIds
+    raise TypeError(f"cannot store a {type(value).__name__} as JSON")
+
+
+def _sanitized(value: Any) -> Any:
+    if isinstance(value, str):
+        return value.encode("utf-8", "replace").decode("utf-8")
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {_sanitized(str(k)): _sanitized(v) for k, v in value.items()}
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        return [_sanitized(v) for v in value]
+    return value
+
+
+def journal_records(row: Mapping[str, Any]) -> tuple[bytes, bytes]:
+    """The head and body JSON objects of a row's fields beyond the journal's own columns (absent ones left out).
+
+    Prompt ids are most of a row, and an engine reply that carries them has them already: then the body keeps
+    only where they are in it (they were parsed from that very text), and readers extract them from there.
+    """
+    head: dict[str, Any] = {}
+    for name in HEAD_FIELDS:
+        value = row.get(name)
+        if value is not None:
+            head[name] = _json_text(value) if name in JSON_COLUMNS else value
+    body: dict[str, Any] = {}
+    prompt_ids_at = _prompt_ids_at(row.get("engine_response"), row.get("prompt_token_ids"))
+    if prompt_ids_at:
+        body[PROMPT_IDS_AT] = prompt_ids_at
+    for name in BODY_FIELDS:
+        value = row.get(name)
+        if value is None or (prompt_ids_at and name == "prompt_token_ids"):
+            continue
+        if name in JSON_COLUMNS:
+            value = _json_text(value)
+        elif name in DOUBLE_LISTS:
+            value = _list_text(value)
+        body[name] = value
+    return _dumps(head), _dumps(body)
+
+
+def insert_journal_rows(con: duckdb.DuckDBPyConnection, rows: Sequence[Mapping[str, Any]], table: str) -> None:
+    """Insert exchange rows into a journal table: one statement, however many rows."""
+    if not rows:
+        return
+    if len(rows) == 1:
+        row = rows[0]
+        con.execute(f"INSERT INTO {table} VALUES (?, ?, ?, ?, ?, ?)", [row["exchange_id"], row["session_id"], row["seq"], row["status"], *journal_records(row)])
+        return
+    # DuckDB reads the Arrow table by its variable name (a replacement scan: cheaper than register())
+    records = [journal_records(row) for row in rows]
+    polar_pending_exchanges = pa.table(  # noqa: F841 - read by DuckDB
+        {
+            "exchange_id": [row["exchange_id"] for row in rows],
+            "session_id": [row["session_id"] for row in rows],
+            "seq": [row["seq"] for row in rows],
+            "status": [row["status"] for row in rows],
+            # orjson's output: UTF-8 by construction, so no validation on the way in
+            "head": pa.array([head for head, _ in records], pa.binary()),
+            "body": pa.array([body for _, body in records], pa.binary()),
+        },
+        schema=JOURNAL_ARROW_SCHEMA,
+    )
+    con.execute(f"INSERT INTO {table} SELECT * FROM polar_pending_exchanges")
+

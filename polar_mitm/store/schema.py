@@ -1,0 +1,195 @@
+"""The store's contract, at the bottom of the import graph: every other polar_mitm module may import this one,
+and it imports nothing of ours.
+
+- EXCHANGE_COLUMNS: the `exchanges` columns and their DuckDB types (a public interface: add, never rename);
+  ExchangeRow, the same fields as a typed dict, is what the gateway hands Store.commit_exchange.
+- SESSION_COLUMNS: the `sessions` table.
+- MATERIAL: the SQL filter for trajectory material (what the assembler trains on).
+- TRAJECTORIES / TRAJECTORIES_SCHEMA: the assembler's table and Parquet schema (written by
+  polar_mitm.assembler.export, read by the views).
+- COMPLETED_STATUSES: the session statuses that count as complete (rewards, the reward view).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any, TypedDict
+
+import pyarrow as pa
+
+SCHEMA_VERSION = 2
+
+EXCHANGE_COLUMNS: dict[str, str] = {
+    "exchange_id": "VARCHAR NOT NULL",
+    "session_id": "VARCHAR NOT NULL",
+    "seq": "INTEGER NOT NULL",
+    "api": "VARCHAR",
+    "action": "VARCHAR",
+    "stream": "BOOLEAN",
+    "status": "VARCHAR NOT NULL",
+    "error": "VARCHAR",
+    "http_status": "INTEGER",
+    "model_requested": "VARCHAR",
+    "model_engine": "VARCHAR",
+    "engine_kind": "VARCHAR",
+    "method": "VARCHAR",
+    "host": "VARCHAR",
+    "path": "VARCHAR",
+    "harness": "VARCHAR",
+    "user_agent": "VARCHAR",
+    "lineage": "JSON",
+    "retry_count": "INTEGER",
+    "replay": "BOOLEAN",
+    "request_headers": "JSON",
+    "request_body": "VARCHAR",
+    "ignored_fields": "VARCHAR[]",
+    "normalizations": "VARCHAR[]",
+    "engine_request": "JSON",
+    "engine_response": "JSON",
+    "response_body": "JSON",
+    "response_stream": "VARCHAR",
+    "prompt_token_ids": "INTEGER[]",
+    "completion_token_ids": "INTEGER[]",
+    "completion_logprobs": "DOUBLE[]",
+    "finish_reason": "VARCHAR",
+    "prompt_tokens": "INTEGER",
+    "completion_tokens": "INTEGER",
+    "started_at": "TIMESTAMPTZ",
+    "engine_started_at": "TIMESTAMPTZ",
+    "engine_ended_at": "TIMESTAMPTZ",
+    "ended_at": "TIMESTAMPTZ",
+}
+
+
+class ExchangeRow(TypedDict, total=False):
+    """One exchange as the gateway builds it, keyed by EXCHANGE_COLUMNS (absent keys are stored as NULL).
+
+    JSON columns take any JSON-able value, or an object with the exact wire `text` (engines.base keeps the
+    engine's request and reply that way); token ids may be a slice of that text (engines.base.TokenIds).
+    """
+
+    exchange_id: str
+    session_id: str
+    seq: int
+    api: str | None
+    action: str | None
+    stream: bool | None
+    status: str
+    error: str | None
+    http_status: int | None
+    model_requested: str | None
+    model_engine: str | None
+    engine_kind: str | None
+    method: str | None
+    host: str | None
+    path: str | None
+    harness: str | None
+    user_agent: str | None
+    lineage: Any
+    retry_count: int | None
+    replay: bool | None
+    request_headers: Any
+    request_body: str | None
+    ignored_fields: Sequence[str] | None
+    normalizations: Sequence[str] | None
+    engine_request: Any
+    engine_response: Any
+    response_body: Any
+    response_stream: str | None
+    prompt_token_ids: Sequence[int] | None
+    completion_token_ids: Sequence[int] | None
+    completion_logprobs: Sequence[float] | None
+    finish_reason: str | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    started_at: datetime | None
+    engine_started_at: datetime | None
+    engine_ended_at: datetime | None
+    ended_at: datetime | None
+
+
+SESSION_COLUMNS: dict[str, str] = {
+    "session_id": "VARCHAR PRIMARY KEY",
+    "created_at": "TIMESTAMPTZ",
+    "last_seen_at": "TIMESTAMPTZ",
+    "n_exchanges": "INTEGER",
+    "harness": "VARCHAR",
+    "task_id": "VARCHAR",
+    "status": "VARCHAR",
+    "reward": "DOUBLE",
+    "timings": "JSON",
+    "metadata": "JSON",
+    "error": "VARCHAR",
+}
+
+
+EXCHANGES_DOC = (
+    "One row per model exchange, in commit order within a session (seq): the request as received (API keys redacted), "
+    "the engine request and reply as they crossed the wire, prompt and sampled token ids, sampled logprobs, finish "
+    "reason, status and timings. Recent rows come from the journal, older ones from Parquet segments."
+)
+
+
+def base_type(kind: str) -> str:
+    return kind.split()[0]
+
+
+JSON_COLUMNS = {name for name, kind in EXCHANGE_COLUMNS.items() if base_type(kind) == "JSON"}
+
+DOUBLE_LISTS = {name for name, kind in EXCHANGE_COLUMNS.items() if base_type(kind) == "DOUBLE[]"}
+ARROW_TYPES = {"VARCHAR": pa.string(), "INTEGER": pa.int32(), "TIMESTAMPTZ": pa.timestamp("us", tz="UTC"), "BLOB": pa.binary()}
+
+# trajectory material: what the assembler trains on (a sampled turn of a live request, with its token ids)
+MATERIAL = "status = 'ok' AND coalesce(action, 'generate') = 'generate' AND NOT coalesce(replay, false) AND prompt_token_ids IS NOT NULL"
+
+# session statuses that count as complete (compared lower-cased); no status at all counts as complete too
+COMPLETED_STATUSES = frozenset({"completed", "complete", "success", "succeeded", "done", "ok", "finished"})
+
+# the assembler's table: one row per trainable sequence (columns: polar_mitm.assembler.export, docs/trainers.md)
+TRAJECTORIES = "trajectories"
+TRAJECTORIES_SCHEMA = pa.schema(
+    [
+        ("sequence_id", pa.string()),
+        ("builder", pa.string()),
+        ("session_id", pa.string()),
+        ("task_id", pa.string()),
+        ("group_id", pa.string()),
+        ("input_ids", pa.list_(pa.int32())),
+        ("loss_mask", pa.list_(pa.int8())),
+        ("rollout_logprobs", pa.list_(pa.float64())),
+        ("prompt_len", pa.int32()),
+        ("sampled_tokens", pa.int32()),
+        ("n_exchanges", pa.int32()),
+        ("exchange_ids", pa.list_(pa.string())),
+        ("exchange_seqs", pa.list_(pa.int32())),
+        ("finish_reason", pa.string()),
+        ("break_kind", pa.string()),
+        ("break_index", pa.int32()),
+        ("break_region", pa.string()),
+        ("break_from", pa.string()),
+        ("break_exchange_id", pa.string()),
+        ("break_detail", pa.string()),
+        ("retry_of", pa.string()),
+        ("faithful", pa.bool_()),
+        ("reward", pa.float64()),
+        ("advantage", pa.float64()),
+        ("trainable", pa.bool_()),
+        ("no_signal", pa.bool_()),
+        ("session_status", pa.string()),
+        ("session_metadata", pa.string()),
+        ("api", pa.string()),
+        ("harness", pa.string()),
+        ("model_requested", pa.string()),
+        ("model_engine", pa.string()),
+    ]
+)
+
+
+def now() -> datetime:
+    return datetime.now(UTC)
+
+
+def quote(text: str) -> str:
+    """A SQL string literal."""
+    return "'" + text.replace("'", "''") + "'"

@@ -1,0 +1,187 @@
+"""Segments: the immutable Parquet files that hold committed exchanges, and the `exchanges` view over them.
+
+Layout. `exchanges` is a view over two kinds of storage, with the contract's column types either way:
+
+- journal tables (`exchange_journal_NNNNNN`, see records): where each exchange is committed before its reply,
+  as six columns: the four live SQL filters on most, then the other fields in two JSON records. No list columns
+  there: DuckDB writes a list column's whole uncheckpointed data into the WAL again on every commit (measured
+  on 1.3 to 2.0: the Nth single-row commit of a 14k-id array logs N x 56 KB), which made each commit slower
+  than the last until a checkpoint; a JSON record is logged once.
+- segments (`<db>.segments/NNNNNN.parquet`, listed in `exchange_segments`): immutable Parquet files with
+  INTEGER[] / DOUBLE[] columns. When a journal reaches `segment_rows` rows the writer starts a new one, and a
+  compactor thread copies the full journal into a segment (fsynced, then renamed), after which the writer drops
+  the journal and re-points the view in one transaction. A crash at any point leaves either the journal or the
+  segment registered, never both and never neither; leftover journals are compacted when the store reopens.
+
+This module holds the steps (write a segment, register it, re-point the view, migrate schema 1); the writer
+(polar_mitm.store.writer) decides when they run and on which thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+
+from polar_mitm.store.records import JOURNAL_SELECT, journal_source, journal_table
+from polar_mitm.store.schema import (
+    EXCHANGE_COLUMNS,
+    EXCHANGES_DOC,
+    SESSION_COLUMNS,
+    base_type,
+    now,
+    quote,
+)
+
+log = logging.getLogger("polar_mitm.store")
+
+SEGMENTS_TABLE = "exchange_segments"
+
+
+def segments_dir(db_path: str | os.PathLike[str]) -> Path:
+    return Path(str(db_path) + ".segments")
+
+
+def contract_select(present: Collection[str] | None = None) -> str:
+    """Every exchange column with its contract type; those not in `present` (when given) as typed NULLs."""
+    return ", ".join(
+        f"CAST({name if present is None or name in present else 'NULL'} AS {base_type(kind)}) AS {name}" for name, kind in EXCHANGE_COLUMNS.items()
+    )
+
+
+SEGMENT_SELECT = contract_select()
+
+
+def segment_file(number: int) -> str:
+    return f"{number:06d}.parquet"
+
+
+def register_segment(con: duckdb.DuckDBPyConnection, number: int, rows: int) -> None:
+    con.execute(f"INSERT INTO {SEGMENTS_TABLE} VALUES (?, ?, ?, ?)", [number, segment_file(number), rows, now()])
+
+
+def exchanges_view_sql(segment_files: list[Path], journals: list[int]) -> str:
+    parts = []
+    if segment_files:
+        files = ", ".join(quote(str(path)) for path in segment_files)
+        # union_by_name: segments written before a column was added read it as NULL
+        parts.append(f"SELECT {SEGMENT_SELECT} FROM read_parquet([{files}], union_by_name = true)")
+    parts += [f"SELECT {JOURNAL_SELECT} FROM {journal_source(number)}" for number in journals]
+    return "CREATE OR REPLACE VIEW exchanges AS " + " UNION ALL ".join(parts)
+
+
+def create_table(con: duckdb.DuckDBPyConnection, table: str, columns: dict[str, str]) -> None:
+    con.execute(f"CREATE TABLE IF NOT EXISTS {table} ({', '.join(f'{n} {t}' for n, t in columns.items())})")
+    # later versions add columns; never rename
+    existing = {r[0] for r in con.execute(f"SELECT column_name FROM information_schema.columns WHERE table_name = '{table}'").fetchall()}
+    for name, kind in columns.items():
+        if name not in existing:
+            con.execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind.replace(' PRIMARY KEY', '').replace(' NOT NULL', '')}")
+
+
+def tables(con: duckdb.DuckDBPyConnection) -> set[str]:
+    return {r[0] for r in con.execute("SELECT table_name FROM duckdb_tables() WHERE schema_name = 'main'").fetchall()}
+
+
+def ensure_schema(con: duckdb.DuckDBPyConnection) -> None:
+    """The tables beside the exchanges (sessions, meta, the segment list); Store creates journals and the view."""
+    create_table(con, "sessions", SESSION_COLUMNS)
+    con.execute(f"CREATE TABLE IF NOT EXISTS {SEGMENTS_TABLE} (segment INTEGER PRIMARY KEY, file VARCHAR NOT NULL, rows BIGINT, created_at TIMESTAMPTZ)")
+    con.execute("CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR)")
+
+
+def write_view(con: duckdb.DuckDBPyConnection, segment_files: list[Path], journals: list[int]) -> None:
+    con.execute(exchanges_view_sql(segment_files, journals))
+    con.execute(f"COMMENT ON VIEW exchanges IS {quote(EXCHANGES_DOC)}")
+
+
+def write_segment(con: duckdb.DuckDBPyConnection, number: int, directory: Path) -> int:
+    """Copy journal `number` (no longer written to) into its Parquet segment; returns the rows copied."""
+    rows = con.execute(f"SELECT count(*) FROM {journal_table(number)}").fetchall()[0][0]
+    if rows:
+        write_parquet(con, f"SELECT {JOURNAL_SELECT} FROM {journal_source(number)}", directory / segment_file(number))
+    return rows
+
+
+def migrate_v1(con: duckdb.DuckDBPyConnection, directory: Path) -> Path | None:
+    """Schema 1 kept `exchanges` as a table: it becomes the next segment (returned; None if there was nothing)."""
+    is_table = con.execute("SELECT count(*) FROM duckdb_tables() WHERE schema_name = 'main' AND table_name = 'exchanges'").fetchall()[0][0]
+    if not is_table:
+        return None
+    number = next_segment(con)
+    rows = con.execute("SELECT count(*) FROM exchanges").fetchall()[0][0]
+    if rows:
+        columns = {r[0] for r in con.execute("SELECT column_name FROM information_schema.columns WHERE table_name = 'exchanges'").fetchall()}
+        write_parquet(con, f"SELECT {contract_select(columns)} FROM exchanges", directory / segment_file(number))
+    with transaction(con):
+        if rows:
+            register_segment(con, number, rows)
+        con.execute("DROP TABLE exchanges")
+    return directory / segment_file(number) if rows else None
+
+
+def write_parquet(con: duckdb.DuckDBPyConnection, select: str, path: Path) -> None:
+    """Write a segment durably: to a temporary name, fsynced, then renamed (a segment file is whole or absent)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".tmp")
+    # lz4: about half zstd's CPU here (token ids are random-looking integers), in files ~1.5x the size
+    con.execute(f"COPY ({select}) TO {quote(str(temporary))} (FORMAT parquet, COMPRESSION lz4_raw)")
+    _fsync(temporary)
+    os.replace(temporary, path)
+    _fsync(path.parent)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def checkpoint_soon(con: duckdb.DuckDBPyConnection, attempts: int = 2000) -> bool:
+    """CHECKPOINT in a gap between the writer's transactions (DuckDB refuses one while another write is open)."""
+    for _ in range(attempts):
+        try:
+            con.execute("CHECKPOINT")
+            return True
+        except duckdb.TransactionException:
+            time.sleep(0.001)
+    log.info("polar-mitm: no gap for a checkpoint; DuckDB checkpoints by itself past 1 GB of WAL")
+    return False
+
+
+def add_segment(con: duckdb.DuckDBPyConnection, db_path: str | os.PathLike[str], rows: pa.Table) -> None:
+    """Bulk-load exchange rows (an Arrow table, any subset of the columns) as a segment of a store no Store has open."""
+    number = next_segment(con)
+    con.register("polar_bulk_rows", rows)
+    try:
+        write_parquet(con, f"SELECT {contract_select(rows.column_names)} FROM polar_bulk_rows", segments_dir(db_path) / segment_file(number))
+    finally:
+        con.unregister("polar_bulk_rows")
+    register_segment(con, number, rows.num_rows)
+
+
+def next_segment(con: duckdb.DuckDBPyConnection) -> int:
+    return con.execute(f"SELECT coalesce(max(segment), 0) + 1 FROM {SEGMENTS_TABLE}").fetchall()[0][0]
+
+
+@contextmanager
+def transaction(con: duckdb.DuckDBPyConnection) -> Iterator[None]:
+    """BEGIN ... COMMIT around the block; rolled back (and the error raised again) if the block or COMMIT fails."""
+    con.execute("BEGIN TRANSACTION")
+    try:
+        yield
+        con.execute("COMMIT")
+    except BaseException:
+        try:
+            con.execute("ROLLBACK")
+        except duckdb.TransactionException:
+            pass  # nothing left open to roll back
+        raise

@@ -1,0 +1,137 @@
+"""Stand-in upstreams for failures the real engine cannot be made to produce on demand (HTTP 500, a hang).
+
+These are fakes, named as such: they exist only to show how the gateway behaves when its engine fails.
+Every successful path in the tests uses the real vLLM engine.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+# The reply shape of SGLang >= 0.5.13's /v1/chat/completions with return_meta_info and
+# return_prompt_token_ids (hand-made from its protocol; no SGLang can run on these CPU machines): a sample ended by
+# the stop string "STOP", which SGLang names in `matched_stop` and leaves out of the text but not out of the token ids.
+SGLANG_REPLY = {
+    "id": "b1f0c3",
+    "object": "chat.completion",
+    "created": 1795950000,
+    "model": "standin",
+    "choices": [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "Hi there", "reasoning_content": None, "tool_calls": None},
+            "logprobs": None,
+            "finish_reason": "stop",
+            "prompt_token_ids": [151644, 872, 198, 6023, 151645, 198, 151644, 77091, 198],
+            "matched_stop": "STOP",
+            "meta_info": {"output_token_logprobs": [[-0.25, 13048, "Hi"], [-0.5, 1052, " there"], [-0.125, 45537, " STOP"]]},
+        }
+    ],
+    "usage": {"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12},
+}
+
+
+class _Handler(BaseHTTPRequestHandler):
+    mode = "500"
+    delay = 0.0
+
+    def _reply(self, status: int, payload: dict) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:  # noqa: N802
+        self._reply(200, {"object": "list", "data": [{"id": "standin", "object": "model"}]})
+
+    def do_POST(self) -> None:  # noqa: N802
+        self.rfile.read(int(self.headers.get("content-length") or 0))
+        if self.mode == "sglang":
+            self._reply(200, SGLANG_REPLY)
+        elif self.mode == "hang":
+            time.sleep(self.delay)
+            self._reply(200, {"error": "too late"})
+        else:
+            self._reply(500, {"object": "error", "message": "stand-in engine failure", "type": "InternalServerError", "code": 500})
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+class StandinUpstream:
+    """`mode="sglang"` answers like SGLang; `mode="500"` answers every completion with HTTP 500; `mode="hang"` answers
+    after `delay` seconds."""
+
+    def __init__(self, mode: str, delay: float = 0.0):
+        handler = type("Handler", (_Handler,), {"mode": mode, "delay": delay})
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class RecordingVLLMStandin:
+    """A stand-in vLLM engine for routing tests (several engines at once, one stopped and started again on its port):
+    answers /v1/models and /v1/chat/completions in vLLM's shape with token ids and logprobs (a fixed two-token
+    text), and records the body of every completion request it got. Not a model: `requests` is what it is for."""
+
+    def __init__(self, port: int = 0):
+        self.requests: list[dict] = []
+        standin = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _reply(self, payload: dict) -> None:
+                data = json.dumps(payload).encode()
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:  # noqa: N802
+                self._reply({"object": "list", "data": [{"id": "standin", "object": "model", "max_model_len": 4096}]})
+
+            def do_POST(self) -> None:  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers.get("content-length") or 0)) or b"{}")
+                standin.requests.append(body)
+                logprobs = [{"token": "Hi", "logprob": -0.25}, {"token": "!", "logprob": -0.5}]
+                self._reply({
+                    "id": f"chatcmpl-standin-{len(standin.requests)}", "object": "chat.completion", "created": 1795950000, "model": "standin",
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hi!"}, "logprobs": {"content": logprobs}, "finish_reason": "stop", "token_ids": [13048, 0]}],
+                    "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}, "prompt_token_ids": [1, 2, 3],
+                })
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.handler = Handler
+        self.port = port
+        self.server: ThreadingHTTPServer | None = None
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def start(self) -> None:
+        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), self.handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
+
+    close = stop

@@ -1,0 +1,207 @@
+"""Layering checks over the whole `polar_mitm` package.
+
+- The store is the bottom layer: importing it (every module of it) and opening a Store imports no assembler
+  module. The assembler imports the store, never the other way round.
+- No import cycle among `polar_mitm` modules. The graph is built from each module's module-level imports
+  (read with `ast`, nothing is executed): an import inside a function runs only when the function is called,
+  so it is allowed and not counted (it is how the CLI loads its commands lazily), unless the module itself calls
+  that function while it is imported (then the import runs at import time and counts); an import under
+  `if TYPE_CHECKING:` never runs and is not counted either. `import a.b` / `from a.b import c` is an edge to
+  `a.b` (or to the submodule `a.b.c` when `c` is one); the parent packages that Python initialises on the way
+  are not edges, since a package importing its own submodules is how packages are built.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import polar_mitm
+
+PACKAGE = Path(polar_mitm.__file__).parent
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _module_level_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """Imports that run when the module is imported: at top level, in top-level if/try/with blocks and class
+    bodies, and inside the module's own functions that those statements call (e.g. a constant built by a call)."""
+    functions = {node.name: node for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    found: list[ast.Import | ast.ImportFrom] = []
+    called: list[str] = []
+    pending: list[ast.stmt] = list(tree.body)
+    while pending:
+        node = pending.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.append(node)
+        elif isinstance(node, ast.If):
+            if not _is_type_checking(node.test):
+                pending += node.body
+            pending += node.orelse
+        elif isinstance(node, ast.Try):
+            pending += node.body + node.orelse + node.finalbody + [stmt for handler in node.handlers for stmt in handler.body]
+        elif isinstance(node, (ast.With, ast.ClassDef)):
+            pending += node.body
+        elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            called += [call.func.id for call in ast.walk(node) if isinstance(call, ast.Call) and isinstance(call.func, ast.Name)]
+    seen: set[str] = set()
+    while called:
+        name = called.pop()
+        if name in functions and name not in seen:
+            seen.add(name)
+            for node in ast.walk(functions[name]):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    found.append(node)
+                elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                    called.append(node.func.id)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the polar_mitm modules it imports at module level."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        is_package = path.name == "__init__.py"
+        for node in _module_level_imports(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                if node.level:
+                    base = name.split(".")
+                    base = base[: len(base) - node.level + (1 if is_package else 0)]
+                    source = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    source = node.module or ""
+                targets = [f"{source}.{alias.name}" if f"{source}.{alias.name}" in modules else source for alias in node.names]
+            for target in targets:
+                while target and target not in modules:
+                    target = target.rpartition(".")[0]  # `import a.b.c` of a non-module name: its module
+                if target.startswith("polar_mitm") and target != name:
+                    graph[name].add(target)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle (first module repeated at the end), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for target in sorted(graph.get(node, ())):
+            if state.get(target) == 1:
+                return path[path.index(target):] + [target]
+            if target not in state:
+                cycle = visit(target)
+                if cycle:
+                    return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            cycle = visit(node)
+            if cycle:
+                return cycle
+    return None
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_which_imports_count_as_module_level():
+    source = """
+import polar_mitm.a
+from typing import TYPE_CHECKING
+if TYPE_CHECKING:
+    import polar_mitm.typing_only
+def lazy():
+    import polar_mitm.lazy
+def at_import():
+    from polar_mitm import called
+CONSTANT = f"{at_import()}"
+class C:
+    from polar_mitm import in_class
+"""
+    names = {alias.name if isinstance(node, ast.Import) else f"{node.module}.{alias.name}" for node in _module_level_imports(ast.parse(source)) for alias in node.names}
+    assert names == {"polar_mitm.a", "typing.TYPE_CHECKING", "polar_mitm.called", "polar_mitm.in_class"}
+
+
+def test_the_graph_sees_module_level_imports_only():
+    graph = import_graph()
+    # the store's own modules are found, and the assembler imports the store (an edge the checks below rely on)
+    assert "polar_mitm.store" in graph
+    assert any(target.startswith("polar_mitm.store") for target in graph["polar_mitm.assembler.source"])
+
+
+def test_no_import_cycle_among_polar_mitm_modules():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle at module level: " + " -> ".join(cycle or [])
+
+
+def _all_imports(path: Path) -> set[str]:
+    """Every absolute `polar_mitm...` module named by an import anywhere in the file, lazy ones included."""
+    named: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            named |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            named |= {f"{node.module}.{alias.name}" for alias in node.names} | {node.module}
+    return {name for name in named if name.startswith("polar_mitm")}
+
+
+def test_the_store_imports_nothing_above_it_even_lazily():
+    """The store is the bottom layer (with errors.py): none of its modules imports any other polar_mitm module,
+    not even inside a function, since opening a Store runs those imports."""
+    below = ("polar_mitm.store", "polar_mitm.errors")
+    offending = {
+        _module_name(path): sorted(name for name in _all_imports(path) if name != "polar_mitm" and not any(name == b or name.startswith(b + ".") for b in below))
+        for name, path in _modules().items()
+        if name == "polar_mitm.store" or name.startswith("polar_mitm.store.")
+    }
+    assert offending and not {name: found for name, found in offending.items() if found}, offending
+
+
+STORE_IMPORTS = """
+import importlib, json, pkgutil, sys, tempfile
+from pathlib import Path
+import polar_mitm.store as store
+names = [store.__name__]
+if hasattr(store, "__path__"):
+    names += [info.name for info in pkgutil.walk_packages(store.__path__, store.__name__ + ".")]
+for name in names:
+    importlib.import_module(name)
+with tempfile.TemporaryDirectory() as tmp:
+    opened = store.Store(Path(tmp) / "s.duckdb")
+    opened.query("SELECT * FROM session_timeline")
+    opened.close()
+print(json.dumps(sorted(m for m in sys.modules if m.startswith("polar_mitm.") and not m.startswith("polar_mitm.store"))))
+"""
+
+
+def test_the_store_imports_no_assembler_module():
+    done = subprocess.run([sys.executable, "-c", STORE_IMPORTS], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    imported = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not [m for m in imported if m.startswith("polar_mitm.assembler")], f"the store imported {imported}"

@@ -1,0 +1,181 @@
+"""The rollout server's parts that need no harness: request validation, rewards from evaluator output,
+callback delivery against a real HTTP receiver, the gateway relay, local sandbox teardown."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import typing
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pydantic
+import pytest
+
+from polar_mitm import harnesses
+from polar_mitm.rollout import relay
+from polar_mitm.rollout.callbacks import CallbackSender
+from polar_mitm.rollout.evaluation import EvaluatorError, reward_from_output
+from polar_mitm.rollout.models import Agent, Delivery, Runtime, TaskRequest
+from polar_mitm.rollout.runtimes import GatewayAccess, SandboxSpec
+from polar_mitm.rollout.runtimes.local import LocalSandbox, marked_processes
+
+
+def test_request_models_match_the_harness_presets() -> None:
+    assert set(typing.get_args(Agent.model_fields["harness"].annotation)) == set(harnesses.NAMES)
+    request = TaskRequest.model_validate({"instruction": "x", "agent": {"harness": "codex"}})
+    assert (request.num_samples, request.runtime.backend, request.builder.name, request.evaluator) == (1, "local", "prefix_merging", None)
+    with pytest.raises(pydantic.ValidationError, match="workdir"):
+        Runtime(backend="local", workdir="/abs")
+    with pytest.raises(pydantic.ValidationError, match="inside its workspace"):
+        Runtime(backend="local", prepare=[{"upload": {"content": "x", "target": "../escape"}}])
+    with pytest.raises(pydantic.ValidationError, match="ANTHROPIC_BASE_URL"):
+        Runtime(env={"ANTHROPIC_BASE_URL": "http://elsewhere"})
+    with pytest.raises(pydantic.ValidationError, match="memory"):
+        Runtime(backend="docker", memory="lots")
+
+
+def test_reward_from_evaluator_output() -> None:
+    assert reward_from_output("", 0) == (1.0, {})
+    assert reward_from_output("FAILED 3 tests\n", 1) == (0.0, {})
+    out = 'log line\n{"reward": 0.25, "passed": 1}\n{"not": "a reward"}\ntrailing text\n'
+    assert reward_from_output(out, 1) == (0.25, {"passed": 1})  # the JSON line wins over the exit status
+    with pytest.raises(EvaluatorError):
+        reward_from_output('{"reward": "high"}', 0)
+
+
+class FlakyReceiver:
+    def __init__(self, statuses: list[int]):
+        self.statuses = statuses
+        self.seen: list[tuple[str, dict[str, Any]]] = []
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server API
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                receiver.seen.append((self.headers["x-polar-delivery-id"], body))
+                status = receiver.statuses[min(len(receiver.seen), len(receiver.statuses)) - 1]
+                self.send_response(status)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}/cb"
+
+
+def test_callback_retried_until_delivered_once_then_final_errors() -> None:
+    async def deliver(url: str, delivery_id: str) -> Delivery:
+        sender = CallbackSender(attempts=4, backoff=0.01)
+        try:
+            return await sender.deliver(Delivery(delivery_id=delivery_id, kind="session_result", url=url), {"kind": "session_result", "session_id": "s"})
+        finally:
+            await sender.close()
+
+    flaky = FlakyReceiver([500, 503, 200])
+    delivery = asyncio.run(deliver(flaky.url, "s:session_result"))
+    assert (delivery.status, delivery.attempts, delivery.last_error) == ("delivered", 3, None)
+    # every attempt carried the same delivery id and body, so a receiver keeps exactly one
+    assert [d for d, _ in flaky.seen] == ["s:session_result"] * 3 and len({json.dumps(b) for _, b in flaky.seen}) == 1
+    flaky.http.shutdown()
+
+    refused = FlakyReceiver([400])
+    delivery = asyncio.run(deliver(refused.url, "t:task_result"))
+    assert (delivery.status, delivery.attempts) == ("failed", 1) and delivery.last_error.startswith("HTTP 400")
+    refused.http.shutdown()
+
+    delivery = asyncio.run(deliver(f"http://127.0.0.1:{_closed_port()}/cb", "x"))
+    assert (delivery.status, delivery.attempts) == ("failed", 4) and "ConnectError" in delivery.last_error
+
+
+def _closed_port() -> int:
+    from polar_mitm.util import free_port
+
+    return free_port()
+
+
+def test_relay_carries_bytes_both_ways_through_a_unix_socket(tmp_path: Path) -> None:
+    async def main() -> bytes:
+        async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.write(b"echo:" + await reader.read())
+            await writer.drain()
+            writer.close()
+
+        target = await asyncio.start_server(echo, "127.0.0.1", 0)
+        port = target.sockets[0].getsockname()[1]
+        socket_path = str(tmp_path / "gateway.sock")
+        host_side = await relay.serve_unix_to_tcp(socket_path, "127.0.0.1", port)
+        sandbox_side = await relay.serve_tcp_to_unix(0, socket_path)
+        reader, writer = await asyncio.open_connection("127.0.0.1", sandbox_side.sockets[0].getsockname()[1])
+        writer.write(b"x" * 200_000)
+        writer.write_eof()
+        answer = await reader.read()
+        for server in (target, host_side, sandbox_side):
+            server.close()
+        return answer
+
+    assert asyncio.run(main()) == b"echo:" + b"x" * 200_000
+
+
+def test_local_sandbox_timeout_and_teardown_leave_nothing(tmp_path: Path) -> None:
+    async def main() -> None:
+        spec = SandboxSpec("parts-sandbox-1", Runtime(env={"GREETING": "hi"}), GatewayAccess("http://127.0.0.1:1", tmp_path))
+        sandbox = LocalSandbox(spec)
+        await sandbox.start()
+        result = await sandbox.exec('echo "$GREETING from $PWD"; echo err >&2; exit 3', 30)
+        assert (result.exit_code, result.stdout.strip(), result.stderr.strip()) == (3, f"hi from {sandbox.workdir}", "err")
+        # a detached grandchild leaves the process group; its marker still finds it
+        await sandbox.exec("setsid sleep 300 > /dev/null 2>&1 & echo started", 30)
+        assert marked_processes(sandbox.id)
+        with pytest.raises(TimeoutError):
+            await sandbox.exec("sleep 300", 0.5)
+        root = sandbox.root
+        await sandbox.destroy()
+        assert marked_processes(sandbox.id) == [] and root is not None and not root.exists()
+
+    asyncio.run(main())
+
+
+def test_python_evaluator_reads_the_sandbox(tmp_path: Path) -> None:
+    from polar_mitm.rollout.evaluation import EvaluationContext, evaluate
+    from polar_mitm.rollout.models import Evaluator, Upload
+
+    evaluator_file = tmp_path / "score.py"
+    evaluator_file.write_text(
+        "def score(ctx):\n"
+        "    listing = ctx.exec('ls').stdout.split()\n"
+        "    return {'reward': 0.75 if ctx.read_file('answer.txt') == b'42\\n' else 0.0, 'files': listing, 'session': ctx.session_id}\n"
+    )
+
+    async def main() -> Any:
+        spec = SandboxSpec("parts-sandbox-2", Runtime(), GatewayAccess("http://127.0.0.1:1", tmp_path))
+        sandbox = LocalSandbox(spec)
+        await sandbox.start()
+        try:
+            await sandbox.upload(Upload(target="answer.txt", content="42\n"))
+            request = TaskRequest.model_validate({"instruction": "x", "agent": {"harness": "qwen"}})
+            context = EvaluationContext("parts-sandbox-2", request, 0, 2, sandbox, asyncio.get_running_loop())
+            return await evaluate(Evaluator(python=f"{evaluator_file}:score"), sandbox, context)
+        finally:
+            await sandbox.destroy()
+
+    evaluation = asyncio.run(main())
+    assert evaluation.reward == 0.75 and evaluation.details == {"files": ["answer.txt"], "session": "parts-sandbox-2"}
+
+
+def test_a_harness_that_is_not_installed_is_refused_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from polar_mitm.gateway.config import GatewayConfig
+    from polar_mitm.rollout.node import GatewayNode, NodeConfig
+    from polar_mitm.rollout.scheduler import RequestRejected
+
+    monkeypatch.setenv("POLAR_MITM_HOME", str(tmp_path / "empty"))
+    node = GatewayNode(NodeConfig(gateway=GatewayConfig(port=0, upstream="http://127.0.0.1:1/v1", db=tmp_path / "store.duckdb")))  # not started: checks only
+    request = TaskRequest.model_validate({"instruction": "x", "agent": {"harness": "gemini"}})
+    with pytest.raises(RequestRejected, match="gemini-cli.*not installed.*install.sh") as refused:
+        asyncio.run(node.check(request))
+    assert refused.value.loc == ("agent", "harness")

@@ -1,0 +1,265 @@
+"""The DuckDB store on its own: journals, Parquet segments, crash safety, what the `exchanges` view returns."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import duckdb
+import orjson
+import pyarrow as pa
+import pytest
+
+from polar_mitm import store
+from polar_mitm.engines.base import WireJSON, _decode
+from polar_mitm.store import ExchangeRow, Store, now
+
+CONTRACT_TYPES = {name: kind.split()[0].replace("TIMESTAMPTZ", "TIMESTAMP WITH TIME ZONE") for name, kind in store.EXCHANGE_COLUMNS.items()}
+
+
+def exchange_row(session: str, seq: int, prompt_len: int = 2000, rng: random.Random | None = None) -> ExchangeRow:
+    """A row shaped like the gateway's: the engine reply as its wire text, prompt ids parsed from it."""
+    rng = rng or random.Random(seq)
+    prompt = [rng.randrange(150_000) for _ in range(prompt_len)]
+    sampled = [rng.randrange(150_000) for _ in range(12)]
+    logprobs = [-rng.random() * 5 for _ in sampled]
+    reply = _decode(orjson.dumps({
+        "id": f"chatcmpl-{seq}", "prompt_token_ids": prompt,
+        "choices": [{"message": {"content": "ok"}, "token_ids": sampled, "logprobs": {"content": [{"token": "t", "logprob": lp} for lp in logprobs]}}],
+    }).decode())
+    return {
+        "exchange_id": str(uuid.uuid4()), "session_id": session, "seq": seq, "api": "openai_chat", "action": "generate",
+        "stream": seq % 2 == 0, "status": "ok", "http_status": 200, "model_requested": "gpt-4o", "harness": "qwen",
+        "request_headers": {"user-agent": "t"}, "request_body": json.dumps({"messages": [{"role": "user", "content": f"turn {seq} \"quoted\" é"}]}),
+        "ignored_fields": ["metadata", "a,b"], "normalizations": [], "engine_request": WireJSON({"model": "m", "messages": []}),
+        "engine_response": reply, "response_body": {"choices": [{"message": {"content": "ok"}}]},
+        "prompt_token_ids": reply["prompt_token_ids"], "completion_token_ids": sampled, "completion_logprobs": logprobs,
+        "finish_reason": "stop", "prompt_tokens": prompt_len, "completion_tokens": len(sampled),
+        "started_at": now(), "ended_at": now(),
+    }
+
+
+def comparable(row: dict) -> dict:
+    """A row as the view should return it."""
+    out = {name: row.get(name) for name in store.EXCHANGE_COLUMNS}
+    for name in store.JSON_COLUMNS:
+        value = out[name]
+        out[name] = None if value is None else json.loads(value.text if isinstance(value, WireJSON) else json.dumps(value))
+    return out
+
+
+def fetched(rows: list[dict]) -> dict[str, dict]:
+    out = {}
+    for row in rows:
+        row = dict(row)
+        for name in store.JSON_COLUMNS:
+            row[name] = None if row[name] is None else json.loads(row[name])
+        out[row["exchange_id"]] = row
+    return out
+
+
+async def commit_all(target: Store, rows: list[ExchangeRow], concurrency: int = 8) -> None:
+    for start in range(0, len(rows), concurrency):
+        await asyncio.gather(*(target.commit_exchange(row) for row in rows[start : start + concurrency]))
+
+
+def test_rows_read_back_the_same_from_journal_and_segments(tmp_path: Path) -> None:
+    db = tmp_path / "s.duckdb"
+    rows = [exchange_row(f"s{i % 3}", i // 3 + 1) for i in range(45)]
+    target = Store(db, segment_rows=16)
+    try:
+        asyncio.run(commit_all(target, rows))
+        deadline = time.monotonic() + 30
+        while len(target.query(f"SELECT * FROM {store.SEGMENTS_TABLE}")[1]) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        columns, live = target.query("SELECT * FROM exchanges")
+        arrow = target.arrow("SELECT exchange_id, prompt_token_ids, completion_logprobs FROM exchanges WHERE seq > ?", [0])
+        segments = target.query(f"SELECT segment, rows FROM {store.SEGMENTS_TABLE} ORDER BY segment")[1]
+        journal_rows = target.query(f"SELECT count(*) FROM {store.journal_table(target._journals[-1])}")[1][0][0]
+    finally:
+        target.close()
+    # while running: some rows in segments (16 per full journal), the rest in the journal, each exactly once
+    assert sum(n for _, n in segments) >= 32 and journal_rows <= 45 - 32
+    expected = {row["exchange_id"]: comparable(row) for row in rows}
+    assert fetched([dict(zip(columns, r, strict=True)) for r in live]) == expected
+    # Store.arrow: the same rows from journal and segments, list columns as Arrow lists
+    assert arrow.schema.field("prompt_token_ids").type == pa.list_(pa.int32()) and arrow.num_rows == 45
+    by_id = {row["exchange_id"]: row for row in arrow.to_pylist()}
+    assert {i: (r["prompt_token_ids"], r["completion_logprobs"]) for i, r in by_id.items()} == {
+        i: (row["prompt_token_ids"], row["completion_logprobs"]) for i, row in expected.items()
+    }
+    # closed: every journal became a segment, types are the contract's, values unchanged
+    described = dict((name, kind) for name, kind, *_ in store.query(db, "DESCRIBE exchanges")[1])
+    assert described == CONTRACT_TYPES
+    assert fetched(store.query_dicts(db, "SELECT * FROM exchanges")) == expected
+    assert not [t for t in store.query(db, "SELECT table_name FROM duckdb_tables()")[1] if t[0].startswith(store.JOURNAL_PREFIX)][1:]
+    counts = dict(store.query(db, "SELECT session_id, n_exchanges FROM sessions")[1])
+    assert counts == {"s0": 15, "s1": 15, "s2": 15}
+
+
+def test_values_json_cannot_hold_survive(tmp_path: Path) -> None:
+    db = tmp_path / "odd.duckdb"
+    row = exchange_row("odd", 1)
+    row.update(
+        completion_logprobs=[-math.inf, -0.25, math.nan, -1.0000000000000002],
+        engine_response=_decode('{"choices": [], "weird": NaN}'),  # only Python's json reads this
+        engine_request=WireJSON({"k": 1}, '{"k":   1}'),  # spacing as sent
+        lineage="not json at all",
+        ignored_fields=['comma,inside', 'quote"inside'],
+    )
+    row["prompt_token_ids"] = [1, 2, 3]
+    target = Store(db)
+    try:
+        asyncio.run(target.commit_exchange(row))
+        live = target.query("SELECT completion_logprobs, engine_response, engine_request, lineage, ignored_fields, prompt_token_ids FROM exchanges")[1][0]
+    finally:
+        target.close()
+    closed = store.query(db, "SELECT completion_logprobs, engine_response, engine_request, lineage, ignored_fields, prompt_token_ids FROM exchanges")[1][0]
+    for logprobs, response, request, lineage, ignored, prompt in (live, closed):
+        assert logprobs[0] == -math.inf and math.isnan(logprobs[2]) and logprobs[3] == -1.0000000000000002
+        assert json.loads(response) == {"choices": [], "weird": None}  # stored, re-encoded, rather than refused
+        assert request == '{"k":   1}' and json.loads(lineage) == "not json at all"
+        assert ignored == ['comma,inside', 'quote"inside'] and prompt == [1, 2, 3]
+
+
+def test_prompt_ids_read_from_the_engine_reply(tmp_path: Path) -> None:
+    """Ids the engine reply carries are not stored twice; vLLM and SGLang places both read back exactly."""
+    db = tmp_path / "ids.duckdb"
+    vllm = exchange_row("v", 1, prompt_len=5000)
+    sglang = exchange_row("g", 1)
+    reply = _decode(orjson.dumps({"choices": [{"prompt_token_ids": list(range(7, 70)), "token_ids": [1]}]}).decode())
+    sglang.update(engine_response=reply, prompt_token_ids=reply["choices"][0]["prompt_token_ids"])
+    copied = exchange_row("c", 1, prompt_len=5000)
+    copied["prompt_token_ids"] = list(copied["prompt_token_ids"])  # equal but not read from the reply: stored itself
+    assert len(store.journal_records(vllm)[1]) < len(store.journal_records(copied)[1]) - 5000 * 3
+    target = Store(db)
+    try:
+        asyncio.run(commit_all(target, [vllm, sglang, copied]))
+        live = dict(target.query("SELECT session_id, prompt_token_ids FROM exchanges")[1])
+    finally:
+        target.close()
+    closed = dict(store.query(db, "SELECT session_id, prompt_token_ids FROM exchanges")[1])
+    for ids in (live, closed):
+        assert ids == {"v": vllm["prompt_token_ids"], "g": list(range(7, 70)), "c": copied["prompt_token_ids"]}
+
+
+def test_commits_log_the_same_bytes_however_many_rows_came_before(tmp_path: Path) -> None:
+    """DuckDB logs a list column's whole uncheckpointed data again on every commit (1.3 through 2.0): the Nth
+    single-row commit of a 14k-id array wrote N x 56 KB to the WAL. Journals keep a commit's WAL bytes flat."""
+    db = tmp_path / "wal.duckdb"
+    wal = Path(str(db) + ".wal")
+    rows = [exchange_row("w", i + 1, prompt_len=14_000) for i in range(60)]
+    target = Store(db, segment_rows=1000)
+    try:
+        growth = []
+        for row in rows:
+            before = wal.stat().st_size if wal.exists() else 0
+            asyncio.run(target.commit_exchange(row))
+            growth.append(wal.stat().st_size - before)
+    finally:
+        target.close()
+    early, late = sorted(growth[5:15])[5], sorted(growth[50:60])[5]
+    assert late < early * 1.5, (early, late)
+
+
+CRASH_WRITER = textwrap.dedent(
+    """
+    import asyncio, sys
+    sys.path.insert(0, {tests!r})
+    from test_store import exchange_row
+    from polar_mitm.store import Store
+
+    async def main():
+        target = Store({db!r}, segment_rows=6)
+        target.execute_write("INSERT INTO sessions (session_id, task_id, n_exchanges) VALUES ('k1', 'task', 0)")
+        seq = {{}}
+        for i in range(10_000):
+            session = f"k{{i % 3}}"
+            seq[session] = seq.get(session, 0) + 1
+            row = exchange_row(session, seq[session], prompt_len=3000)
+            await target.commit_exchange(row)
+            print(row["exchange_id"], flush=True)
+
+    asyncio.run(main())
+    """
+)
+
+
+@pytest.mark.parametrize("after", [25, 61])
+def test_sigkill_mid_compaction_loses_and_duplicates_nothing(tmp_path: Path, after: int) -> None:
+    db = tmp_path / "crash.duckdb"
+    script = tmp_path / "writer.py"
+    script.write_text(CRASH_WRITER.format(tests=str(Path(__file__).parent), db=str(db)))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    writer = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
+    committed = []
+    assert writer.stdout is not None
+    for line in writer.stdout:
+        committed.append(line.strip())
+        if len(committed) >= after:
+            break
+    writer.send_signal(signal.SIGKILL)  # journals rotate every 6 rows: compactions are under way
+    writer.wait()
+    reopened = Store(db)
+    try:
+        ids = [r[0] for r in reopened.query("SELECT exchange_id FROM exchanges")[1]]
+        sessions = dict(reopened.query("SELECT session_id, n_exchanges FROM sessions")[1])
+        per_session = dict(reopened.query("SELECT session_id, count(*) FROM exchanges GROUP BY ALL")[1])
+        task = reopened.query("SELECT task_id FROM sessions WHERE session_id = 'k1'")[1][0][0]
+        seqs = reopened.query("SELECT session_id, list(seq ORDER BY seq) FROM exchanges GROUP BY ALL")[1]
+    finally:
+        reopened.close()
+    assert len(ids) == len(set(ids)), "an exchange is in a journal and a segment at once"
+    assert set(committed) <= set(ids), "a committed exchange was lost"
+    # counters the writer had not flushed are recounted from the exchanges; what the rollout wrote is kept
+    assert sessions == per_session and task == "task"
+    for _, listed in seqs:
+        assert listed == list(range(1, len(listed) + 1))
+
+
+def test_store_of_schema_1_opens_with_its_rows(tmp_path: Path) -> None:
+    """Schema 1 kept `exchanges` as a table; opening it makes that table the first segment."""
+    db = tmp_path / "v1.duckdb"
+    con = duckdb.connect(str(db))
+    columns = {n: k.split()[0] for n, k in store.EXCHANGE_COLUMNS.items() if n not in ("engine_started_at",)}  # an older column set
+    con.execute(f"CREATE TABLE exchanges ({', '.join(f'{n} {k}' for n, k in columns.items())})")
+    con.execute("CREATE TABLE sessions (session_id VARCHAR PRIMARY KEY, n_exchanges INTEGER)")
+    con.execute("INSERT INTO exchanges (exchange_id, session_id, seq, status, prompt_token_ids, engine_response) VALUES ('e1', 'old', 1, 'ok', [1, 2, 3], '{\"a\": 1}')")
+    con.execute("INSERT INTO sessions VALUES ('old', 1)")
+    con.close()
+    target = Store(db)
+    try:
+        assert target.next_seq("old") == 2
+        asyncio.run(target.commit_exchange(exchange_row("old", 2)))
+    finally:
+        target.close()
+    rows = store.query_dicts(db, "SELECT exchange_id, seq, prompt_token_ids, engine_response, engine_started_at FROM exchanges ORDER BY seq")
+    assert [(r["exchange_id"], r["seq"]) for r in rows][0] == ("e1", 1) and len(rows) == 2
+    assert rows[0]["prompt_token_ids"] == [1, 2, 3] and json.loads(rows[0]["engine_response"]) == {"a": 1} and rows[0]["engine_started_at"] is None
+    assert store.query(db, "SELECT n_exchanges FROM sessions WHERE session_id = 'old'")[1][0][0] == 2
+    assert store.query(db, "SELECT table_type FROM information_schema.tables WHERE table_name = 'exchanges'")[1][0][0] == "VIEW"
+
+
+def test_live_queries_keep_the_optimizer(tmp_path: Path) -> None:
+    """Exchange rows go in through a connection without DuckDB's optimizer; every other connection keeps it (a plain
+    SET had switched it off for all of them, and every live query over the journal parsed every row's body)."""
+    target = Store(tmp_path / "store.duckdb", segment_rows=10**6)
+    try:
+        rows = [exchange_row(f"s{i % 4}", i // 4 + 1) for i in range(40)]
+        for row in rows:
+            asyncio.run(target.commit_exchange(row))
+        assert target.query("SELECT current_setting('enable_optimizer')")[1] == [(True,)]
+        plan = "\n".join(text for _, text in target.query("EXPLAIN SELECT session_id, count(*) FROM exchanges GROUP BY session_id")[1])
+        assert "json_transform" not in plan  # the bodies a query does not read are not parsed
+    finally:
+        target.close()
