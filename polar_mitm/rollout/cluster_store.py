@@ -111,7 +111,7 @@ def union_views(snapshots: list[NodeSnapshot]) -> list[str]:
 
 
 class UnionStore:
-    """Read-only, in this process: the `query` / `con` surface the assembler's Reader uses, over every node's files."""
+    """Read-only, in this process: the `query` / `arrow` surface the assembler's Reader uses, over every node's files."""
 
     def __init__(self, snapshots: list[NodeSnapshot]):
         self.snapshots = snapshots
@@ -125,6 +125,13 @@ class UnionStore:
             result = cursor.execute(sql, params or [])
             columns = [d[0] for d in result.description] if result.description else []
             return columns, result.fetchall()
+        finally:
+            cursor.close()
+
+    def arrow(self, sql: str, params: list[Any] | None = None) -> Any:
+        cursor = self.con.cursor()
+        try:
+            return cursor.sql(sql, params=params or []).to_arrow_table()
         finally:
             cursor.close()
 

@@ -18,11 +18,13 @@ preparing at once or waits for a run slot there); the queue goes to the node wit
 spread. `GET /nodes` shows each node's sessions by stage and the head queue. A draining node (`DELETE
 /nodes/NAME`) gets nothing new and finishes what it has.
 
-Failure. A session id is single-use: the head records "dispatched to N" before calling N and never dispatches it
-again. If N's actor dies (the node's processes killed, the machine lost), its sessions in flight end `failed`,
-with the exchanges its store had committed (counted from the store file when the head can read it); sessions
-still in the head queue go to the other nodes. N's store stays on N's disk; when N comes back under the same
-label its actor reopens the store, marks those sessions failed there too, and the head reads it again.
+Failure. The head records "dispatched to N" before calling N. If N's actor dies (the node's processes killed,
+the machine lost), its sessions whose harness had started end `failed`, with the exchanges its store had
+committed (counted from the store file when the head can read it); those N had not started (last seen queued or
+preparing, no exchange in N's store) and those still in the head queue go to the other nodes. Nothing runs
+twice: a session with anything recorded is never dispatched again. N's store stays on N's disk; when N comes
+back under the same label its actor reopens the store, marks those sessions failed there too, and the head reads
+it again.
 
 Data. Trajectories are assembled by the head over every node's store (cluster_store.py: each node's Parquet
 segments plus a fresh journal tail, read through paths: one machine or a shared file system), so GRPO group
@@ -300,14 +302,15 @@ class RayNodes:
         return result
 
     async def _never_started(self, node: NodeHandle, session_id: str) -> bool:
-        """The lost node had it waiting for a prepare slot (its last snapshot) and its store holds no exchange of it."""
+        """The lost node had not started its harness (its last snapshot: queued or preparing) and its store holds no
+        exchange of it: nothing of the session is recorded anywhere, so it may run on another node."""
         active = node.last_load.get("active") or {}
         snapshot = active.get(session_id)
-        if session_id in active and snapshot is not None and snapshot["status"] != "queued":
+        if session_id in active and snapshot is not None and snapshot["status"] not in ("queued", "preparing"):
             return False
         if session_id not in active and node.last_load:
             return False  # dispatched after the last poll: unknown, so not run twice
-        return not await asyncio.to_thread(_count_exchanges, node.db, session_id)
+        return await asyncio.to_thread(_count_exchanges, node.db, session_id) == 0  # None: unreadable, so not known
 
     async def _reattach(self, work: SessionWork, name: str, report: Report) -> SessionResult:
         """A session the previous head dispatched: its node's result, never a second run."""

@@ -54,12 +54,10 @@ def ray_cluster():
     def node_args(name: str) -> dict[str, Any]:
         return {"num_cpus": 1, "resources": {"polar_node": 1}, "labels": {"polar-node": name}, "node_ip_address": "127.0.0.1", "object_store_memory": 80 * 2**20}
 
-    with ray_startup_priority():
-        cluster = Cluster(initialize_head=True, connect=False, head_node_args={**node_args("n0"), "include_dashboard": False})
+    cluster = start_ray_node(lambda: Cluster(initialize_head=True, connect=False, head_node_args={**node_args("n0"), "include_dashboard": False}))
     try:
-        with ray_startup_priority():
-            workers = {name: cluster.add_node(**node_args(name)) for name in NODES[1:]}
-            cluster.wait_for_nodes()
+        workers = {name: start_ray_node(lambda name=name: cluster.add_node(**node_args(name))) for name in NODES[1:]}
+        cluster.wait_for_nodes()
         cluster.workers = workers  # type: ignore[attr-defined]
         cluster.node_args = node_args  # type: ignore[attr-defined]
         yield cluster
@@ -67,6 +65,25 @@ def ray_cluster():
         cluster.shutdown()
         for name, value in saved.items():
             os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
+
+
+def start_ray_node(start: Any, attempts: int = 3) -> Any:
+    """`start()` a Ray node (or the head) at a raised priority; on this loaded machine its raylet may still give up
+    on its agents, so what that attempt left (the Ray processes it started, none other) is ended and it is retried."""
+    for attempt in range(attempts):
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        try:
+            with ray_startup_priority():
+                return start()
+        except Exception:
+            if attempt == attempts - 1:
+                raise
+            for process in psutil.Process().children(recursive=True):
+                with suppress(psutil.Error):
+                    if process.pid not in before and "ray" in " ".join(process.cmdline()):
+                        process.kill()
+            time.sleep(2)
+    raise AssertionError("unreachable")
 
 
 @contextmanager
@@ -215,8 +232,7 @@ def test_a_node_killed_mid_task_every_session_accounted_for_and_its_store_comes_
     session_ids = accepted["session_ids"]
     try:
         wait_for(lambda: nodes_status(cluster_server)["n2"]["stages"].get("running"), 240, "a session running on n2")
-        with ray_startup_priority():
-            ray_cluster.remove_node(ray_cluster.workers.pop("n2"), allow_graceful=False)
+        ray_cluster.remove_node(ray_cluster.workers.pop("n2"), allow_graceful=False)
         result = cluster_server.wait(accepted["task_id"], timeout=TASK_WAIT * 2)
     finally:
         end_sessions_left(session_ids)
@@ -228,11 +244,12 @@ def test_a_node_killed_mid_task_every_session_accounted_for_and_its_store_comes_
     assert any(s["n_exchanges"] >= 1 for s in lost)  # its first model call (the tool call) was committed on n2
     completed = [s for s in sessions.values() if s["status"] == "completed"]
     assert len(completed) == 7 - len(lost) and {s["node"] for s in completed} <= {"n0", "n1"}
+    # n2's second session was preparing (waiting for n2's run slot) with nothing recorded: it ran elsewhere
+    assert "had not started on lost node n2; dispatching it again" in cluster_server.log.read_text()
     assert not nodes_status(cluster_server)["n2"]["alive"]
 
     # n2 comes back under its label: its actor reopens its store and marks the lost sessions failed there too
-    with ray_startup_priority():
-        ray_cluster.workers["n2"] = ray_cluster.add_node(**ray_cluster.node_args("n2"))
+    ray_cluster.workers["n2"] = start_ray_node(lambda: ray_cluster.add_node(**ray_cluster.node_args("n2")))
     wait_for(lambda: nodes_status(cluster_server)["n2"]["alive"], 120, "n2 back")
     lost_ids = ", ".join(f"'{s['session_id']}'" for s in lost)
     stored = sql(cluster_server, f"SELECT session_id, status, node, error FROM sessions WHERE session_id IN ({lost_ids})")
