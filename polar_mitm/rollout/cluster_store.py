@@ -111,7 +111,7 @@ def union_views(snapshots: list[NodeSnapshot]) -> list[str]:
 
 
 class UnionStore:
-    """Read-only, in this process: the `query` / `arrow` surface the assembler's Reader uses, over every node's files."""
+    """Read-only, in this process: the `query` / `arrow` surface the assembler's Reader uses, over all nodes' files."""
 
     def __init__(self, snapshots: list[NodeSnapshot]):
         self.snapshots = snapshots

@@ -41,6 +41,7 @@ import asyncio
 import heapq
 import itertools
 import logging
+import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -183,16 +184,27 @@ class RayNodes:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         actor_name = f"polar-node-{name}"
-        try:
+        gateway = self.config.node.gateway.model_copy(update={"db": node_db(self.config.node.gateway.db, name)})
+        wanted = self.config.node.model_copy(update={"gateway": gateway}).model_dump(mode="json")
+        info = None
+        try:  # a node actor a previous head left running: re-attached if it has this config, else replaced
             actor = ray.get_actor(actor_name, namespace=NAMESPACE)
+            info = await asyncio.wait_for(actor.start.remote(), 180)
+            if info.get("config") != wanted:
+                log.warning(f"polar ray: node actor {actor_name} runs another configuration ({info.get('db')}); replacing it")
+                ray.kill(actor)
+                info = None
         except ValueError:
-            gateway = self.config.node.gateway.model_copy(update={"db": node_db(self.config.node.gateway.db, name)})
-            config = self.config.node.model_copy(update={"gateway": gateway})
+            pass  # none
+        except self.actor_errors:
+            info = None  # one that is going away
+        if info is None:
+            await _name_released(actor_name)
             actor = ray.remote(NodeActor).options(
                 name=actor_name, namespace=NAMESPACE, lifetime="detached", num_cpus=0, resources={NODE_RESOURCE: 1}, max_concurrency=10_000,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-            ).remote(name, config.model_dump(mode="json"))
-        info = await asyncio.wait_for(actor.start.remote(), 180)
+            ).remote(name, wanted)
+            info = await asyncio.wait_for(actor.start.remote(), 180)
         limits = self.config.node.limits
         handle = NodeHandle(name=name, ray_node_id=info["ray_node_id"], actor=actor, info=info, capacity=limits.prepare + limits.run, db=Path(info["db"]))
         previous = self.nodes.get(name)
@@ -442,8 +454,22 @@ class RayNodes:
                     except Exception as failure:  # noqa: BLE001 - killed below either way
                         log.warning(f"polar ray: node {node.name} did not stop cleanly: {failure!r}")
                     ray.kill(node.actor)
+            await asyncio.gather(*(_name_released(f"polar-node-{name}") for name in self.nodes))
         if self.ray_started_here:
             ray.shutdown()
+
+
+async def _name_released(actor_name: str, timeout: float = 60.0) -> None:
+    """Wait until no actor holds `actor_name` (a killed actor keeps its name until Ray has reaped it)."""
+    import ray
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(actor_name, namespace=NAMESPACE)
+        except ValueError:
+            return
+        await asyncio.sleep(0.2)
 
 
 async def _await(ref: Any) -> Any:
@@ -458,15 +484,20 @@ def _placeholder(work: SessionWork) -> SessionResult:
     )
 
 
-def _count_exchanges(db: Path, session_id: str) -> int | None:
-    """What a dead node's store holds of a session, read from its file (None: not readable from here)."""
+def _count_exchanges(db: Path, session_id: str, patience: float = 30.0) -> int | None:
+    """What a dead node's store holds of a session, read from its file (None: not readable from here). A node
+    process that is still exiting holds the file (or answers nothing on its SQL port) for a moment: retried."""
     from polar_mitm import store
 
-    try:
-        _, rows = store.query(db, "SELECT count(*) FROM exchanges WHERE session_id = ?", [session_id], timeout=5)
-    except Exception:  # noqa: BLE001 - another machine's disk, or the file still locked
-        return None
-    return int(rows[0][0])
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            _, rows = store.query(db, "SELECT count(*) FROM exchanges WHERE session_id = ?", [session_id], timeout=5)
+            return int(rows[0][0])
+        except Exception:  # noqa: BLE001 - another machine's disk, or the file still locked
+            if time.monotonic() > deadline or not db.exists():
+                return None
+            time.sleep(1.0)
 
 
 class DurableCallbackSender(CallbackSender):

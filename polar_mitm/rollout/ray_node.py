@@ -62,7 +62,7 @@ class NodeActor:
         return {
             "name": self.name, "ray_node_id": ray.get_runtime_context().get_node_id(), "hostname": socket.gethostname(), "pid": os.getpid(),
             "gateway": self.node.gateway_url, "db": str(Path(self.config.gateway.db).resolve()), "upstream": self.config.gateway.upstream,
-            "limits": self.config.limits.model_dump(), "recovered_sessions": self.recovered,
+            "limits": self.config.limits.model_dump(), "recovered_sessions": self.recovered, "config": self.config.model_dump(mode="json"),
         }
 
     async def check(self, request: dict[str, Any]) -> dict[str, Any] | None:

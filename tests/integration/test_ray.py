@@ -165,7 +165,7 @@ def test_six_sessions_spread_over_three_nodes_with_trajectories_and_sql_over_eve
     rx: Receiver = receiver()
     task = {**coding_task("ray-six", engine_url, "local", 6), "callback_url": rx.url}
     accepted = cluster_server.submit(task)
-    result = cluster_server.wait(accepted["task_id"], timeout=TASK_WAIT * 2)
+    result = wait_task(cluster_server, accepted["task_id"], TASK_WAIT * 2)
     sessions = {s["session_id"]: s for s in result["sessions"]}
     assert result["status"] == "completed" and result["counts"] == {"completed": 6}, json.dumps(result)[:4000]
     for session_id, session in sessions.items():
@@ -204,6 +204,19 @@ def test_six_sessions_spread_over_three_nodes_with_trajectories_and_sql_over_eve
     assert task_result["counts"] == {"completed": 6}
 
 
+def wait_task(server: RolloutServer, task_id: str, timeout: float) -> dict[str, Any]:
+    """RolloutServer.wait, riding over a dropped keep-alive connection (uvicorn may close one as a request goes out)."""
+
+    def finished() -> dict[str, Any] | None:
+        try:
+            result = server.task(task_id)
+        except httpx.TransportError:
+            return None
+        return result if result["status"] != "running" else None
+
+    return wait_for(finished, timeout, f"task {task_id} to finish", interval=1.0)
+
+
 def wait_for(check, timeout: float, what: str, interval: float = 0.5) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -231,9 +244,11 @@ def test_a_node_killed_mid_task_every_session_accounted_for_and_its_store_comes_
     accepted = cluster_server.submit(sleeping_task("ray-kill", engine_url, 7, 20))
     session_ids = accepted["session_ids"]
     try:
-        wait_for(lambda: nodes_status(cluster_server)["n2"]["stages"].get("running"), 240, "a session running on n2")
+        # n2 runs a session whose first model call (the tool call that sleeps) is committed in n2's store
+        on_n2 = f"SELECT count(*) AS n FROM exchanges WHERE node = 'n2' AND session_id LIKE '{accepted['task_id']}-%'"
+        wait_for(lambda: sql(cluster_server, on_n2)[0]["n"] >= 1, 240, "an exchange committed on n2", interval=1.0)
         ray_cluster.remove_node(ray_cluster.workers.pop("n2"), allow_graceful=False)
-        result = cluster_server.wait(accepted["task_id"], timeout=TASK_WAIT * 2)
+        result = wait_task(cluster_server, accepted["task_id"], TASK_WAIT * 2)
     finally:
         end_sessions_left(session_ids)
     sessions = {s["session_id"]: s for s in result["sessions"]}
@@ -269,7 +284,7 @@ def test_early_stop_cancels_stragglers_and_a_drained_node_gets_nothing(cluster_s
     started = time.monotonic()
     accepted = cluster_server.submit(task)
     try:
-        result = cluster_server.wait(accepted["task_id"], timeout=TASK_WAIT)
+        result = wait_task(cluster_server, accepted["task_id"], TASK_WAIT)
     finally:
         end_sessions_left(accepted["session_ids"])
     assert time.monotonic() - started < 240  # far less than the stragglers' five minutes
@@ -302,7 +317,7 @@ def test_head_restart_loses_no_task_double_runs_no_session_and_redelivers_callba
         for old in before["sessions"]:
             if old["status"] == "completed":
                 assert next(s for s in recovered["sessions"] if s["session_id"] == old["session_id"])["status"] == "completed"
-        result = second.wait(accepted["task_id"], timeout=TASK_WAIT * 2)
+        result = wait_task(second, accepted["task_id"], TASK_WAIT * 2)
     finally:
         end_sessions_left(session_ids)
         if second is not None:
