@@ -84,7 +84,7 @@ async def scheduler_bench(sessions: int, nodes: int, capacity: int, hold: float,
     actors = [ray.remote(SimulatedNode).options(num_cpus=0, max_concurrency=100_000).remote(hold) for _ in range(processes)]
     await asyncio.gather(*(a.load.remote() for a in actors))
     config = ray_cluster.ClusterConfig(node=NodeConfig(gateway=GatewayConfig(upstream="http://127.0.0.1:9/v1", db=tmp / "sched.duckdb"))).resolved()
-    head = HeadStore(tmp / "sched.head.duckdb")
+    head = HeadStore(Path(tempfile.mkdtemp(dir=tmp)) / "sched.head.duckdb")  # a fresh head per run
     cluster = ray_cluster.RayNodes(config, head)
     for index in range(nodes):
         name = f"sim{index:03d}"
@@ -278,7 +278,7 @@ def union_bench(rows_per_node: list[int], tmp: Path) -> list[dict[str, Any]]:
         for store in stores:
             store.close()
         assert [r[1] for r in result] == [rows] * 3
-        out.append({"rows_per_node": rows, "snapshot_ms_per_node": round(1000 * snapshot_s / 3, 1), "tail_rows": [len(s.exchanges) for s in snaps], "union_query_ms": round(1000 * query_s, 1)})
+        out.append({"rows_per_node": rows, "snapshot_ms_per_node": round(1000 * snapshot_s / 3, 1), "parquet_files_per_node": [len(s.exchanges) for s in snaps], "union_query_ms": round(1000 * query_s, 1)})
     return out
 
 
@@ -303,7 +303,7 @@ def main() -> None:
         print("head_store", report["head_store"], flush=True)
         os.environ.update(LOOPBACK_ENV)
         with raised_priority():
-            ray.init(num_cpus=2, include_dashboard=False, namespace="polar-mitm-bench")
+            ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="polar-mitm-bench")
         try:
             runs = [(2000, 16, 4, 0.0, 4)] if args.quick else [(10_000, 64, 4, 0.0, 8), (10_000, 64, 4, 0.5, 8)]
             report["scheduler"] = [asyncio.run(scheduler_bench(s, n, c, h, p, tmp)) for s, n, c, h, p in runs]

@@ -318,18 +318,19 @@ def test_head_restart_loses_no_task_double_runs_no_session_and_redelivers_callba
             if old["status"] == "completed":
                 assert next(s for s in recovered["sessions"] if s["session_id"] == old["session_id"])["status"] == "completed"
         result = wait_task(second, accepted["task_id"], TASK_WAIT * 2)
+        assert result["counts"] == {"completed": 7}, json.dumps(result)[:3000]
+        # never run twice: every session's two exchanges on one node (a second run would add two more, anywhere)
+        query = f"SELECT session_id, count(*) AS n, count(DISTINCT node) AS nodes FROM exchanges WHERE session_id LIKE '{accepted['task_id']}-%' GROUP BY ALL"
+        rows = sql(second, query)
+        assert {r["session_id"]: (r["n"], r["nodes"]) for r in rows} == {sid: (2, 1) for sid in session_ids}
+        # callbacks that were not acknowledged before the restart were delivered after it, each id acknowledged once
+        rx.wait_for_task_result()
     finally:
         end_sessions_left(session_ids)
         if second is not None:
             stop_server(second)
         elif first.process.poll() is None:
             stop_server(first)
-    assert result["counts"] == {"completed": 7}, json.dumps(result)[:3000]
-    # never run twice: every session's two exchanges on one node (a second run would add two more, anywhere)
-    rows = sql(second, f"SELECT session_id, count(*) AS n, count(DISTINCT node) AS nodes FROM exchanges WHERE session_id LIKE '{accepted['task_id']}-%' GROUP BY ALL")
-    assert {r["session_id"]: (r["n"], r["nodes"]) for r in rows} == {sid: (2, 1) for sid in session_ids}
-    # callbacks that were not acknowledged before the restart were delivered after it, each id acknowledged once
-    rx.wait_for_task_result()
     acknowledged: dict[str, int] = {}
     for attempt in rx.attempts:
         if attempt["status"] == 200:
