@@ -33,7 +33,8 @@ from typing import Any
 
 from bench.common import BENCH, STUB_MODEL, Service, free_port, load_requests, percentile
 
-LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # every Ray process on 127.0.0.1
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # every Ray process on 127.0.0.1 (read when ray is imported)
+os.environ.update(LOOPBACK_ENV)
 
 
 def cpu_s() -> float:
