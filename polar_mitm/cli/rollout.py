@@ -35,6 +35,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve = commands.add_parser("serve", help="run the rollout HTTP API with its own gateway node")
     serve.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"API port on 127.0.0.1 (default {DEFAULT_PORT})")
     _node_arguments(serve)
+    serve.add_argument(
+        "--ray", nargs="?", const="auto", metavar="ADDRESS",
+        help="scale out: one gateway node per Ray node with the polar_node resource (ADDRESS: the Ray cluster, default auto); node N's store is <db stem>.N.duckdb",
+    )
+    serve.add_argument("--head-db", type=Path, help="with --ray: the head's durable store of tasks, session states and callbacks (default <db stem>.head.duckdb)")
     serve.set_defaults(func=_serve, hosts_proxy=True)
 
     submit = commands.add_parser("submit", help="submit a task file to a running rollout server")
@@ -78,7 +83,13 @@ def _uvicorn_server(args: argparse.Namespace, port: int):
 
     from polar_mitm.rollout.server import create_app
 
-    return uvicorn.Server(uvicorn.Config(create_app(_node_config(args)), host="127.0.0.1", port=port, log_level="info" if args.gateway_verbose else "warning", timeout_graceful_shutdown=10))
+    if getattr(args, "ray", None):
+        from polar_mitm.rollout.ray_cluster import ClusterConfig, create_ray_app
+
+        app = create_ray_app(ClusterConfig(address=args.ray, node=_node_config(args), head_db=args.head_db))
+    else:
+        app = create_app(_node_config(args))
+    return uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="info" if args.gateway_verbose else "warning", timeout_graceful_shutdown=10))
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -22,5 +22,12 @@ def make_engine(
     kind: str, base_url: str, served_model: str | None = None, timeout: float = 600.0, split_reasoning: bool = False,
     max_model_len: int | None = None,
 ) -> Engine:
-    """A client of the `kind` engine (a name in ENGINES) at `base_url`; raises ConfigError for an unknown kind."""
+    """A client of the `kind` engine (a name in ENGINES) at `base_url`; raises ConfigError for an unknown kind.
+    `base_url` with commas (several upstreams) gives a session-sticky EngineRouter over one client per URL."""
+    urls = [url.strip() for url in base_url.split(",") if url.strip()]
+    if len(urls) > 1:
+        from polar_mitm.engines.router import EngineRouter
+
+        engines = [make_engine(kind, url, served_model, timeout, split_reasoning, max_model_len) for url in urls]
+        return EngineRouter(engines)  # type: ignore[return-value]
     return ENGINES.get(kind)(base_url, served_model, timeout, split_reasoning, max_model_len)

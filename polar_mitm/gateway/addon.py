@@ -27,6 +27,7 @@ from polar_mitm import dialects, harnesses, redact, routing, session
 from polar_mitm.dialects import CountsTokens, Dialect
 from polar_mitm.engines import ENGINES, make_engine
 from polar_mitm.engines.base import Engine
+from polar_mitm.engines.router import CURRENT_SESSION
 from polar_mitm.errors import CallAbandoned, ConfigError, RenderError
 from polar_mitm.exchange import Completion, DialectError, EngineError, ParsedRequest, StreamState
 from polar_mitm.gateway import options
@@ -80,8 +81,8 @@ class PolarAddon:
         engine_options = ("polar_upstream", "polar_engine", "polar_engine_model", "polar_engine_timeout", "polar_split_reasoning", "polar_engine_max_model_len")
         if updated.intersection(engine_options):
             upstream = ctx.options.polar_upstream
-            if upstream and not upstream.startswith(("http://", "https://")):
-                raise exceptions.OptionsError(f"polar_upstream must be an http(s) URL, got {upstream!r}")
+            if upstream and not all(url.strip().startswith(("http://", "https://")) for url in upstream.split(",")):
+                raise exceptions.OptionsError(f"polar_upstream must be an http(s) URL (or several, comma-separated), got {upstream!r}")
             if ctx.options.polar_engine not in ENGINES:
                 raise exceptions.OptionsError(f"polar_engine must be one of {', '.join(ENGINES.names())}, got {ctx.options.polar_engine!r}")
             if ctx.options.polar_engine_timeout <= 0:
@@ -95,6 +96,8 @@ class PolarAddon:
         if updated & {"polar_upstream", "polar_engine", "polar_engine_model", "polar_engine_timeout", "polar_split_reasoning", "polar_engine_max_model_len", "polar_render", "polar_render_model", "polar_tool_parser"}:
             if ctx.options.polar_render not in RENDER_MODES:
                 raise exceptions.OptionsError(f"polar_render must be one of {', '.join(RENDER_MODES)}, got {ctx.options.polar_render!r}")
+            if ctx.options.polar_render == "tokens" and "," in ctx.options.polar_upstream:
+                raise exceptions.OptionsError("polar_render tokens works with one upstream engine; several are routed in chat mode only")
             try:
                 tokens = ctx.options.polar_render == "tokens" and self.engine is not None
                 self.tokens = TokenPath(self.engine, ctx.options.polar_render_model or None, ctx.options.polar_tool_parser) if tokens else None
@@ -306,6 +309,7 @@ class PolarAddon:
     async def _exchange_committed(self, flow: http.HTTPFlow, dialect: Dialect, path: str) -> None:
         assert self.store is not None
         session_id = flow.metadata.get("polar_session") or session.DEFAULT_SESSION
+        CURRENT_SESSION.set(session_id)  # an EngineRouter keeps the session on one engine
         headers = list(flow.request.headers.items(multi=True))
         query = list(flow.request.query.items(multi=True))
         secrets_seen = redact.secret_values(headers, query)

@@ -44,6 +44,7 @@ class Option:
     required: bool = False  # the config model and `polar-mitm gateway` need it; the addon defaults to `default`
     addon: bool = True  # a polar_ option of the addon; False: mitmproxy's own or the process's
     cli: bool = True  # has a command-line flag
+    joined: str | None = None  # a str option whose flag repeats: the values joined with this (e.g. several upstreams)
 
     @property
     def mitmproxy_name(self) -> str:
@@ -58,8 +59,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("port", int, 8080, "Proxy port on the listen host.", "proxy port on 127.0.0.1 (default 8080)", addon=False),
     Option("host", str, "127.0.0.1", "Listen address; loopback by default.", addon=False, cli=False),
     Option(
-        "upstream", str, "", "The inference engine's OpenAI-compatible base URL, e.g. http://127.0.0.1:8011/v1.",
-        "engine base URL, e.g. http://127.0.0.1:8011/v1", required=True,
+        "upstream", str, "",
+        "The inference engine's OpenAI-compatible base URL, e.g. http://127.0.0.1:8011/v1; several, comma-separated: each session stays "
+        "on one engine, new sessions go to the least busy, an unreachable one is taken out and probed back (engines/router.py).",
+        "engine base URL, e.g. http://127.0.0.1:8011/v1; repeat it for several engines", required=True, joined=",",
     ),
     Option("db", Path, Path("polar.duckdb"), "The DuckDB file every exchange is committed to.", "DuckDB store (default polar.duckdb)"),
     Option(
@@ -195,6 +198,9 @@ def add_arguments(parser: argparse.ArgumentParser, exclude: Iterable[str] = (), 
             kwargs.update(action="store_true")
         elif option.type == list[str]:
             kwargs.update(action="append", default=list(option.default), metavar=option.metavar)
+        elif option.joined:
+            kwargs.update(action="append", metavar=option.metavar or option.name.upper())
+            kwargs.update({"required": True} if option.required else {"default": None})
         else:
             kwargs.update(type=option.type, metavar=option.metavar or (None if option.choices else option.name.upper()), choices=option.choices)
             kwargs.update({"required": True} if option.required else {"default": option.default})
@@ -213,4 +219,8 @@ def flag_message(message: str) -> str:
 
 def from_arguments(args: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
     """The option values `add_arguments(..., prefix=prefix)` parsed, as GatewayConfig keyword arguments."""
-    return {option.name: getattr(args, prefix + option.name) for option in OPTIONS if hasattr(args, prefix + option.name)}
+    values = {option.name: getattr(args, prefix + option.name) for option in OPTIONS if hasattr(args, prefix + option.name)}
+    for option in OPTIONS:
+        if option.joined and isinstance(values.get(option.name), list):
+            values[option.name] = option.joined.join(values[option.name])
+    return values

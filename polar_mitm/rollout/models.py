@@ -172,6 +172,16 @@ class TaskRequest(Strict):
     evaluator: Evaluator | None = None
     callback_url: str | None = Field(None, pattern=r"^https?://", description="Receives one SessionResult per session and one TaskResult, by POST.")
     metadata: dict[str, Any] = Field(default_factory=dict, description="Copied into every result and the store (e.g. group id, policy version).")
+    dispatch_priority: int = Field(0, ge=0, le=100, description="Order of the head's dispatch queue (Ray scale-out): higher first, then first come; running sessions are never preempted.")
+    early_stop_min_usable_sessions: int | None = Field(
+        None, ge=1, description="Cancel the task's unfinished sessions once this many are usable (completed, with at least one sampled token); cancelled ones end empty and untrainable."
+    )
+
+    @model_validator(mode="after")
+    def _early_stop_within_samples(self) -> TaskRequest:
+        if self.early_stop_min_usable_sessions is not None and self.early_stop_min_usable_sessions > self.num_samples:
+            raise ValueError(f"early_stop_min_usable_sessions ({self.early_stop_min_usable_sessions}) exceeds num_samples ({self.num_samples})")
+        return self
 
 
 class StageTiming(BaseModel):
@@ -213,10 +223,16 @@ class SessionResult(BaseModel):
     evaluation: Evaluation | None = None
     error: str | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
+    node: str | None = Field(None, description="The gateway node that ran it (scale-out on Ray); None on a single-node server.")
 
     @property
     def done(self) -> bool:
         return self.status in FINAL_STATUSES
+
+    @property
+    def usable(self) -> bool:
+        """Trainable material: completed, with at least one sampled token (what early stop counts)."""
+        return self.status == "completed" and self.trajectory is not None and self.trajectory.sampled_tokens > 0
 
 
 class Delivery(BaseModel):
@@ -244,6 +260,7 @@ class TaskResult(BaseModel):
     trajectory_stats: dict[str, Any] | None = None
     deliveries: list[Delivery] = Field(default_factory=list)
     metadata: dict[str, Any] = Field(default_factory=dict)
+    early_stopped: bool = Field(False, description="Stragglers were cancelled once early_stop_min_usable_sessions were usable.")
 
 
 class TaskAccepted(BaseModel):

@@ -9,8 +9,8 @@ with the exchange commits, without touching the gateway's `n_exchanges`/`last_se
 (exchange counts, the assembler) use `Store.query`; other processes read through the store's SQL endpoint
 as usual (`polar-mitm sql`, `polar_mitm.store.query`).
 
-Scale-out: a distributed engine would run one GatewayNode per machine and implement `Node` by forwarding
-check / run_session / export_task to it; nothing else crosses the boundary.
+Scale-out: ray_cluster.py runs one GatewayNode per Ray node (ray_node.py, a Ray actor) and implements `Node`
+by forwarding check / run_session to it; nothing else crosses the boundary.
 """
 
 from __future__ import annotations
@@ -183,30 +183,10 @@ class GatewayNode:
         return await asyncio.to_thread(self._export_task, task_id, session_ids, builder, options)
 
     def _export_task(self, task_id: str, session_ids: list[str], builder: str, options: dict[str, Any]) -> tuple[str | None, dict[str, Any] | None]:
-        from polar_mitm.assembler import assemble
-        from polar_mitm.assembler.export import store_trajectories, write_parquet
+        from polar_mitm.assembler.export import store_trajectories
 
-        sequences, groups = [], []
-        for session_id in session_ids:
-            try:
-                assembly = assemble(None, builder, session_id, store=self.store, lenient=bool(options.get("lenient")))
-            except LookupError:  # no model exchange was ever answered in this session
-                continue
-            sequences.extend(assembly.sequences)
-            groups = [g for g in assembly.groups if g.group_id == task_id] or groups
-        path = write_parquet(sequences, self.output_dir / f"{task_id}.parquet")
-        written = store_trajectories(None, path, store_object=self.store)
-        stats = {
-            "builder": builder,
-            "sequences": len(sequences),
-            "sessions": len({s.session_id for s in sequences}),
-            "trainable_sequences": sum(s.trainable for s in sequences),
-            "sampled_tokens": sum(s.sampled_tokens for s in sequences),
-            "trainable_tokens": sum(sum(s.loss_mask) for s in sequences),
-            "sequence_tokens": sum(len(s.input_ids) for s in sequences),
-            "group": groups[0].model_dump() if groups else None,
-            "table": written.message,
-        }
+        path, stats = export_sessions(self.store, task_id, session_ids, builder, options, self.output_dir / f"{task_id}.parquet")
+        stats["table"] = store_trajectories(None, path, store_object=self.store).message
         return str(path), stats
 
     # -- the Workbench SessionRun uses
@@ -241,6 +221,33 @@ class GatewayNode:
             json.dumps(result.metadata), result.error,
         ]
         await asyncio.to_thread(self.store.execute_write, RECORD_SESSION, params)
+
+
+def export_sessions(store: Any, task_id: str, session_ids: list[str], builder: str, options: dict[str, Any], path: Path) -> tuple[Path, dict[str, Any]]:
+    """Assemble the sessions from `store` (a Store, or anything with its query surface) into the task's Parquet:
+    (path, stats)."""
+    from polar_mitm.assembler import assemble
+    from polar_mitm.assembler.export import write_parquet
+
+    sequences, groups = [], []
+    for session_id in session_ids:
+        try:
+            assembly = assemble(None, builder, session_id, store=store, lenient=bool(options.get("lenient")))
+        except LookupError:  # no model exchange was ever answered in this session
+            continue
+        sequences.extend(assembly.sequences)
+        groups = [g for g in assembly.groups if g.group_id == task_id] or groups
+    path = write_parquet(sequences, path)
+    return path, {
+        "builder": builder,
+        "sequences": len(sequences),
+        "sessions": len({s.session_id for s in sequences}),
+        "trainable_sequences": sum(s.trainable for s in sequences),
+        "sampled_tokens": sum(s.sampled_tokens for s in sequences),
+        "trainable_tokens": sum(sum(s.loss_mask) for s in sequences),
+        "sequence_tokens": sum(len(s.input_ids) for s in sequences),
+        "group": groups[0].model_dump() if groups else None,
+    }
 
 
 # n_exchanges starts at 0 so the gateway's `n_exchanges + 1` counts on from it; its columns are left alone

@@ -299,6 +299,7 @@ class Task:
     trajectory_stats: dict[str, Any] | None = None
     deliveries: list[Delivery] = field(default_factory=list)
     finisher: asyncio.Task | None = None
+    early_stopped: bool = False
 
     def result(self) -> TaskResult:
         sessions = sorted(self.sessions.values(), key=lambda s: s.sample_index)
@@ -307,6 +308,7 @@ class Task:
             task_id=self.task_id, status=status, created_at=self.created_at, finished_at=self.finished_at,
             counts=dict(Counter(s.status for s in sessions)), sessions=sessions, trajectories=self.trajectories,
             trajectory_stats=self.trajectory_stats, deliveries=list(self.deliveries), metadata=self.request.metadata,
+            early_stopped=self.early_stopped,
         )
 
 
@@ -355,12 +357,23 @@ class Scheduler:
                 _uncancel()
             result = task.sessions[work.session_id].model_copy(update={"status": "cancelled" if isinstance(failure, asyncio.CancelledError) else "failed", "error": f"node: {type(failure).__name__}: {failure}"})
         task.sessions[work.session_id] = result
+        self._early_stop(task)
         if task.request.callback_url:
             delivery = Delivery(delivery_id=f"{work.session_id}:session_result", kind="session_result", url=task.request.callback_url)
             task.deliveries.append(delivery)
             await self.callbacks.deliver(delivery, result.model_dump(mode="json"))
         if all(s.done for s in task.sessions.values()) and task.finisher is None:
             task.finisher = asyncio.create_task(self._finish(task), name=f"finish {task.task_id}")
+
+    def _early_stop(self, task: Task) -> None:
+        """Once `early_stop_min_usable_sessions` are usable, cancel the stragglers (they end `cancelled`)."""
+        wanted = task.request.early_stop_min_usable_sessions
+        if wanted is None or sum(s.usable for s in task.sessions.values()) < wanted:
+            return
+        task.early_stopped = True
+        for session_id, run in task.runs.items():
+            if not task.sessions[session_id].done and not run.done():
+                run.cancel()
 
     async def _finish(self, task: Task) -> None:
         # every session's own delivery ends (delivered or given up) before the TaskResult goes out

@@ -17,8 +17,8 @@ A request that cannot run is a 422 whose `message` names the field (`agent.harne
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 import httpx
@@ -50,18 +50,29 @@ def _not_found(what: str, key: str) -> JSONResponse:
     return JSONResponse(status_code=404, content={"message": f"no {what} {key!r}", "detail": f"no {what} {key!r}"})
 
 
-def create_app(config: NodeConfig, callbacks: CallbackSender | None = None) -> FastAPI:
+@asynccontextmanager
+async def local_backend(config: NodeConfig, callbacks: CallbackSender | None = None) -> AsyncIterator[tuple[Any, Scheduler]]:
+    """This machine's own gateway node and a scheduler over it."""
+    node = GatewayNode(config)
+    await node.start()
+    scheduler = Scheduler(node, callbacks)
+    try:
+        yield node, scheduler
+    finally:
+        await scheduler.close()
+        await node.stop()
+
+
+def create_app(config: NodeConfig | None, callbacks: CallbackSender | None = None, backend: Callable[[], AbstractAsyncContextManager[tuple[Any, Scheduler]]] | None = None) -> FastAPI:
+    """The API over `backend()` ((node with .health(), scheduler)); default: local_backend(config, callbacks)."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        node = GatewayNode(config)
-        await node.start()
-        app.state.node = node
-        app.state.scheduler = Scheduler(node, callbacks)
-        try:
+        assert backend is not None or config is not None, "give a NodeConfig or a backend"
+        async with (backend() if backend is not None else local_backend(config, callbacks)) as (node, scheduler):  # type: ignore[arg-type]
+            app.state.node = node
+            app.state.scheduler = scheduler
             yield
-        finally:
-            await app.state.scheduler.close()
-            await node.stop()
 
     app = FastAPI(title="polar-mitm rollout server", version=getattr(polar_mitm, "__version__", "0"), lifespan=lifespan, description=__doc__)
 

@@ -177,3 +177,61 @@ class DelayedEngineRelay(_Served):
     def __init__(self, engine_url: str, delay: float):
         root = engine_url.rstrip("/").removesuffix("/v1")
         super().__init__(type("RelayHandler", (_RelayHandler,), {"target": root, "delay": delay}))
+
+
+class RecordingVLLMStandin:
+    """A stand-in vLLM engine for routing tests (several engines at once, one stopped and started again on its port):
+    answers /v1/models and /v1/chat/completions in vLLM's shape with token ids and logprobs (a fixed two-token
+    text), and records the body of every completion request it got. Not a model: `requests` is what it is for."""
+
+    def __init__(self, port: int = 0):
+        self.requests: list[dict] = []
+        standin = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _reply(self, payload: dict) -> None:
+                data = json.dumps(payload).encode()
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:  # noqa: N802
+                self._reply({"object": "list", "data": [{"id": "standin", "object": "model", "max_model_len": 4096}]})
+
+            def do_POST(self) -> None:  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers.get("content-length") or 0)) or b"{}")
+                standin.requests.append(body)
+                logprobs = [{"token": "Hi", "logprob": -0.25}, {"token": "!", "logprob": -0.5}]
+                self._reply({
+                    "id": f"chatcmpl-standin-{len(standin.requests)}", "object": "chat.completion", "created": 1795950000, "model": "standin",
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hi!"}, "logprobs": {"content": logprobs}, "finish_reason": "stop", "token_ids": [13048, 0]}],
+                    "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}, "prompt_token_ids": [1, 2, 3],
+                })
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.handler = Handler
+        self.port = port
+        self.server: ThreadingHTTPServer | None = None
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def start(self) -> None:
+        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), self.handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
+
+    close = stop

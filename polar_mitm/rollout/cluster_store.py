@@ -1,0 +1,154 @@
+"""Every node's store as one: Parquet on each node's disk, read by the head through paths.
+
+Each gateway node keeps its own DuckDB store (one writer per file, on its own disk). Most of its exchanges are
+already immutable Parquet segments (`<db>.segments/NNNNNN.parquet`); only the newest (< `segment_rows`) rows sit
+in a journal table inside the DuckDB file, which no other process can open while the node writes it. So a node
+*snapshot* is: the list of its segment files (nothing copied) plus two small Parquet files written on demand,
+the journal tail and the `sessions` table, taken in one DuckDB transaction so every row is in exactly one file.
+
+The head then reads `read_parquet([...every node's files...])`: an in-memory DuckDB (`UnionStore`, which the
+assembler takes as `store=`) or a catalog file of views (`write_catalog`) that `polar-mitm sql --db` opens like
+any store. The paths must be readable from the head: one machine, or a shared file system (NFS, Lustre) under
+every node's `--db`. Chosen over DuckDB ATTACH (a live node's file is locked by its writer) and over pulling
+rows through each node's SQL endpoint (JSON rows, no cross-node joins or aggregates); bench/ray_bench.py
+measures the snapshot and the union query.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import duckdb
+from pydantic import BaseModel
+
+from polar_mitm import store as store_module
+
+
+class NodeSnapshot(BaseModel):
+    """One node's store as Parquet files (absolute paths on the node's disk)."""
+
+    node: str
+    exchanges: list[str]  # segments (immutable) and the journal tail written for this snapshot
+    sessions: str
+    seconds: float = 0.0
+
+
+def snapshot_dir(db_path: Path) -> Path:
+    return Path(str(db_path) + ".snapshots")
+
+
+def snapshot_store(con: duckdb.DuckDBPyConnection, db_path: Path, node: str, out_dir: Path) -> NodeSnapshot:
+    """The store open on `con` (a live Store's connection, or a read-only one to a dead node's file) as Parquet,
+    consistent at one instant; cheap: only the journal tail and `sessions` are written."""
+    started = time.perf_counter()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = f"{time.time_ns()}"
+    tail = out_dir / f"tail-{stamp}.parquet"
+    sessions = out_dir / f"sessions-{stamp}.parquet"
+    cursor = con.cursor()
+    try:
+        cursor.execute("BEGIN TRANSACTION")  # the segment list and the journals as of one instant
+        segments = [str(store_module.segments_dir(db_path).resolve() / file) for (file,) in cursor.execute(f"SELECT file FROM {store_module.SEGMENTS_TABLE} ORDER BY segment").fetchall()]
+        journals = sorted(
+            int(name[len(store_module.JOURNAL_PREFIX):])
+            for (name,) in cursor.execute("SELECT table_name FROM duckdb_tables() WHERE schema_name = 'main' AND starts_with(table_name, ?)", [store_module.JOURNAL_PREFIX]).fetchall()
+            if name[len(store_module.JOURNAL_PREFIX):].isdigit()
+        )
+        files = list(segments)
+        if journals:
+            select = " UNION ALL ".join(f"SELECT {store_module.JOURNAL_SELECT} FROM {store_module.journal_source(n)}" for n in journals)
+            cursor.execute(f"COPY ({select}) TO {_quote(str(tail))} (FORMAT parquet, COMPRESSION lz4_raw)")
+            files.append(str(tail))
+        cursor.execute(f"COPY (SELECT * FROM sessions) TO {_quote(str(sessions))} (FORMAT parquet)")
+        cursor.execute("COMMIT")
+    finally:
+        cursor.close()
+    _remove_older(out_dir, keep={tail.name, sessions.name})
+    return NodeSnapshot(node=node, exchanges=files, sessions=str(sessions), seconds=round(time.perf_counter() - started, 4))
+
+
+def snapshot_closed_store(db_path: Path, node: str, out_dir: Path) -> NodeSnapshot:
+    """A store no process writes any more (its node died): opened read-only, its journal read as it was committed."""
+    con = duckdb.connect(str(db_path), read_only=True)
+    try:
+        return snapshot_store(con, db_path, node, out_dir)
+    finally:
+        con.close()
+
+
+def _remove_older(out_dir: Path, keep: set[str], grace: float = 600.0) -> None:
+    """Old snapshot files go once a newer one exists and they are `grace` seconds old (a reader may still use them)."""
+    cutoff = time.time() - grace
+    for path in out_dir.glob("*.parquet"):
+        if path.name not in keep and path.stat().st_mtime < cutoff:
+            path.unlink(missing_ok=True)
+
+
+def _quote(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def union_views(snapshots: list[NodeSnapshot]) -> list[str]:
+    """`exchanges` and `sessions` over every node's files, each row with its `node`."""
+    exchange_parts, session_parts = [], []
+    for snap in snapshots:
+        name = _quote(snap.node)
+        if snap.exchanges:
+            files = ", ".join(_quote(f) for f in snap.exchanges)
+            exchange_parts.append(f"SELECT {store_module.SEGMENT_SELECT}, {name} AS node FROM read_parquet([{files}], union_by_name = true)")
+        session_parts.append(f"SELECT *, {name} AS node FROM read_parquet({_quote(snap.sessions)})")
+    typed_nulls = ", ".join(f"NULL::{kind.split()[0]} AS {name}" for name, kind in store_module.EXCHANGE_COLUMNS.items())
+    empty_exchanges = f"SELECT {typed_nulls}, NULL::VARCHAR AS node WHERE false"
+    return [
+        "CREATE OR REPLACE VIEW exchanges AS " + (" UNION ALL ".join(exchange_parts) or empty_exchanges),
+        # a session dispatched again after its node died before starting it has a row on both nodes: the later counts
+        "CREATE OR REPLACE VIEW sessions AS "
+        + (f"SELECT * FROM ({' UNION ALL BY NAME '.join(session_parts)}) QUALIFY row_number() OVER (PARTITION BY session_id ORDER BY last_seen_at DESC NULLS LAST) = 1" if session_parts else "SELECT NULL::VARCHAR AS session_id WHERE false"),
+    ]
+
+
+class UnionStore:
+    """Read-only, in this process: the `query` / `arrow` surface the assembler's Reader uses, over all nodes' files."""
+
+    def __init__(self, snapshots: list[NodeSnapshot]):
+        self.snapshots = snapshots
+        self.con = duckdb.connect()
+        for statement in union_views(snapshots):
+            self.con.execute(statement)
+
+    def query(self, sql: str, params: list[Any] | None = None) -> tuple[list[str], list[tuple[Any, ...]]]:
+        cursor = self.con.cursor()
+        try:
+            result = cursor.execute(sql, params or [])
+            columns = [d[0] for d in result.description] if result.description else []
+            return columns, result.fetchall()
+        finally:
+            cursor.close()
+
+    def arrow(self, sql: str, params: list[Any] | None = None) -> Any:
+        cursor = self.con.cursor()
+        try:
+            return cursor.sql(sql, params=params or []).to_arrow_table()
+        finally:
+            cursor.close()
+
+    def close(self) -> None:
+        self.con.close()
+
+
+def write_catalog(path: Path, snapshots: list[NodeSnapshot]) -> Path:
+    """A DuckDB file of views over every node's files, for `polar-mitm sql --db PATH` (and store.query) to read."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + f".{os.getpid()}.tmp")
+    temporary.unlink(missing_ok=True)
+    con = duckdb.connect(str(temporary))
+    try:
+        for statement in union_views(snapshots):
+            con.execute(statement)
+    finally:
+        con.close()
+    os.replace(temporary, path)  # readers see the old catalog or the new one, never half of one
+    return path

@@ -1,0 +1,338 @@
+"""Scale-out on a real local Ray cluster: a head and two worker nodes (ray.cluster_utils.Cluster, separate raylets on
+127.0.0.1, each with the `polar_node` resource and a `polar-node` label), `polar-mitm rollout serve --ray ADDRESS`
+as its own process, real Qwen Code sessions in local sandboxes, the real engine steered by
+examples/steer_tiny_model.py, a real HTTP callback receiver. Every cluster and server is shut down by its fixture.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pyarrow.parquet as pq
+import pytest
+
+from polar_mitm.rollout.runtimes.local import marked_processes
+from polar_mitm.util import free_port
+from tests.integration.test_rollout import (  # noqa: F401 - fixtures
+    HOOK,
+    TASK_WAIT,
+    Receiver,
+    RolloutServer,
+    coding_task,
+    harness_installed,
+    receiver,
+)
+
+pytestmark = [pytest.mark.harness, pytest.mark.engine]
+
+ray = pytest.importorskip("ray")
+NODES = ("n0", "n1", "n2")
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+SLEEP = 'python3 -c "import time; time.sleep({seconds})"'
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """Head n0 + workers n1, n2; one CPU each (the node actors take none). Loopback only: with
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 every Ray process (and the server's driver) takes 127.0.0.1 as its address
+    instead of the machine's outward one."""
+    from ray.cluster_utils import Cluster
+
+    saved = {name: os.environ.get(name) for name in LOOPBACK_ENV}
+    os.environ.update(LOOPBACK_ENV)
+
+    def node_args(name: str) -> dict[str, Any]:
+        return {"num_cpus": 1, "resources": {"polar_node": 1}, "labels": {"polar-node": name}, "node_ip_address": "127.0.0.1", "object_store_memory": 80 * 2**20}
+
+    cluster = start_ray_node(lambda: Cluster(initialize_head=True, connect=False, head_node_args={**node_args("n0"), "include_dashboard": False}))
+    try:
+        workers = {name: start_ray_node(lambda name=name: cluster.add_node(**node_args(name))) for name in NODES[1:]}
+        cluster.wait_for_nodes()
+        cluster.workers = workers  # type: ignore[attr-defined]
+        cluster.node_args = node_args  # type: ignore[attr-defined]
+        yield cluster
+    finally:
+        cluster.shutdown()
+        for name, value in saved.items():
+            os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
+
+
+def start_ray_node(start: Any, attempts: int = 3) -> Any:
+    """`start()` a Ray node (or the head) at a raised priority; on this loaded machine its raylet may still give up
+    on its agents, so what that attempt left (the Ray processes it started, none other) is ended and it is retried."""
+    for attempt in range(attempts):
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        try:
+            with ray_startup_priority():
+                return start()
+        except Exception:
+            if attempt == attempts - 1:
+                raise
+            for process in psutil.Process().children(recursive=True):
+                with suppress(psutil.Error):
+                    if process.pid not in before and "ray" in " ".join(process.cmdline()):
+                        process.kill()
+            time.sleep(2)
+    raise AssertionError("unreachable")
+
+
+@contextmanager
+def ray_startup_priority():
+    """A raylet gives its node's Python agents a fixed ~15 s to come up and dies otherwise; on this shared 2-core
+    machine they can take longer. Started at a raised priority, then every process started meanwhile goes back
+    to normal, so the sessions and everything else run as usual."""
+    os.setpriority(os.PRIO_PROCESS, 0, -10)
+    try:
+        yield
+    finally:
+        for child in psutil.Process().children(recursive=True):
+            with suppress(psutil.Error):
+                child.nice(0)
+        os.setpriority(os.PRIO_PROCESS, 0, 0)
+
+
+def start_server(ray_cluster, engine_url: str, base: Path, *extra: str, db: Path | None = None) -> RolloutServer:
+    port = free_port()
+    base.mkdir(parents=True, exist_ok=True)
+    log = base / f"server-{port}.log"
+    db = db or base / "store.duckdb"
+    command = [
+        sys.executable, "-m", "polar_mitm.cli", "rollout", "serve", "--ray", ray_cluster.address, "--port", str(port), "--upstream", engine_url,
+        "--db", str(db), "--confdir", str(base / "confdir"), "--engine-hook", HOOK, "--prepare-limit", "1", "--run-limit", "1", "-v", *extra,
+    ]
+    process = subprocess.Popen(command, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
+    server = RolloutServer(f"http://127.0.0.1:{port}", db, log, process)
+    deadline = time.monotonic() + 240
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"rollout server exited with {process.returncode}:\n{server.log_tail()}")
+        try:
+            health = server.client.get("/health")
+            if health.status_code == 200 and all(health.json()["nodes"].get(n) for n in NODES):
+                return server
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            stop_server(server)
+            raise TimeoutError(f"rollout server did not come up:\n{server.log_tail()}")
+        time.sleep(0.5)
+
+
+def stop_server(server: RolloutServer, sig: int = signal.SIGTERM) -> None:
+    server.client.close()
+    try:
+        os.killpg(server.process.pid, sig)
+        server.process.wait(timeout=90)
+    except ProcessLookupError:
+        pass
+    except subprocess.TimeoutExpired:
+        os.killpg(server.process.pid, signal.SIGKILL)
+        server.process.wait()
+
+
+@pytest.fixture
+def cluster_server(ray_cluster, engine_url: str, harness_installed: None, tmp_path: Path):  # noqa: F811 - the fixture
+    server = start_server(ray_cluster, engine_url, tmp_path)
+    yield server
+    stop_server(server)
+
+
+def sql(server: RolloutServer, query: str) -> list[dict[str, Any]]:
+    response = server.client.get("/sql", params={"q": query})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    return [dict(zip(body["columns"], row, strict=True)) for row in body["rows"]]
+
+
+def sleeping_task(task_id: str, engine_url: str, samples: int, seconds: int, **fields: Any) -> dict[str, Any]:
+    task = coding_task(task_id, engine_url, "local", samples)
+    task["instruction"] = f"Wait.\nSTEER-COMMAND: {SLEEP.format(seconds=seconds)}"
+    task["evaluator"] = None
+    return {**task, **fields}
+
+
+def test_six_sessions_spread_over_three_nodes_with_trajectories_and_sql_over_every_store(cluster_server: RolloutServer, engine_url: str, receiver) -> None:  # noqa: F811
+    rx: Receiver = receiver()
+    task = {**coding_task("ray-six", engine_url, "local", 6), "callback_url": rx.url}
+    accepted = cluster_server.submit(task)
+    result = wait_task(cluster_server, accepted["task_id"], TASK_WAIT * 2)
+    sessions = {s["session_id"]: s for s in result["sessions"]}
+    assert result["status"] == "completed" and result["counts"] == {"completed": 6}, json.dumps(result)[:4000]
+    for session_id, session in sessions.items():
+        assert session["evaluation"]["details"]["content"] == session_id  # this session's own sandbox
+        assert session["reward"] == session["sample_index"] / 2 and session["n_exchanges"] == 2
+    # spread: with one prepare and one run slot per node, every node got sessions
+    by_node: dict[str, set[str]] = {}
+    for session in sessions.values():
+        by_node.setdefault(session["node"], set()).add(session["session_id"])
+    assert set(by_node) == set(NODES), by_node
+
+    # SQL over every node's store, as one: each session's exchanges come from the node that ran it
+    rows = sql(cluster_server, f"SELECT node, session_id, count(*) AS n FROM exchanges WHERE session_id LIKE '{accepted['task_id']}-%' GROUP BY ALL")
+    assert {(r["node"], r["session_id"]) for r in rows} == {(s["node"], sid) for sid, s in sessions.items()}
+    assert all(r["n"] == 2 for r in rows)
+    stored = sql(cluster_server, f"SELECT session_id, status, reward, node FROM sessions WHERE task_id = '{accepted['task_id']}'")
+    assert {r["session_id"]: (r["status"], r["reward"], r["node"]) for r in stored} == {sid: ("completed", s["reward"], s["node"]) for sid, s in sessions.items()}
+    # each node's own store file, on its disk
+    for node in NODES:
+        assert (cluster_server.db.parent / f"store.{node}.duckdb").exists()
+    # the catalog the head refreshes answers `polar-mitm sql` like any store
+    catalog = cluster_server.db.parent / "store.head" / "cluster.duckdb"
+    out = subprocess.run([sys.executable, "-m", "polar_mitm.cli", "sql", "--db", str(catalog), f"SELECT count(DISTINCT node) AS nodes, count(*) AS exchanges FROM exchanges WHERE session_id LIKE '{accepted['task_id']}-%'"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "12" in out.stdout and "3" in out.stdout, out.stdout + out.stderr
+
+    # the task's Parquet, assembled by the head over the union: group advantages across nodes
+    table = pq.read_table(result["trajectories"]).to_pylist()
+    assert {r["session_id"] for r in table} == set(sessions)
+    advantage = {r["session_id"]: r["advantage"] for r in table}
+    assert advantage[min(sessions, key=lambda s: sessions[s]["reward"])] < 0 < advantage[max(sessions, key=lambda s: sessions[s]["reward"])]
+    assert sorted(result["trajectory_stats"]["nodes"]) == list(NODES)
+
+    # callbacks: every session once, then the task
+    task_result = rx.wait_for_task_result()
+    assert {r["session_id"] for r in rx.results("session_result")} == set(sessions)
+    assert task_result["counts"] == {"completed": 6}
+
+
+def wait_task(server: RolloutServer, task_id: str, timeout: float) -> dict[str, Any]:
+    """RolloutServer.wait, riding over a dropped keep-alive connection (uvicorn may close one as a request goes out)."""
+
+    def finished() -> dict[str, Any] | None:
+        try:
+            result = server.task(task_id)
+        except httpx.TransportError:
+            return None
+        return result if result["status"] != "running" else None
+
+    return wait_for(finished, timeout, f"task {task_id} to finish", interval=1.0)
+
+
+def wait_for(check, timeout: float, what: str, interval: float = 0.5) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def nodes_status(server: RolloutServer) -> dict[str, dict[str, Any]]:
+    return {n["name"]: n for n in server.client.get("/nodes").json()["nodes"]}
+
+
+def end_sessions_left(session_ids: list[str]) -> None:
+    """Harness processes of sessions whose node was killed under them (nothing else would stop them)."""
+    for session_id in session_ids:
+        for pid in marked_processes(session_id):
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_node_killed_mid_task_every_session_accounted_for_and_its_store_comes_back(ray_cluster, cluster_server: RolloutServer, engine_url: str) -> None:
+    # 7 sessions, 2 admitted per node: 6 dispatched at once (one running, one waiting per node), 1 in the head queue
+    accepted = cluster_server.submit(sleeping_task("ray-kill", engine_url, 7, 20))
+    session_ids = accepted["session_ids"]
+    try:
+        # n2 runs a session whose first model call (the tool call that sleeps) is committed in n2's store
+        on_n2 = f"SELECT count(*) AS n FROM exchanges WHERE node = 'n2' AND session_id LIKE '{accepted['task_id']}-%'"
+        wait_for(lambda: sql(cluster_server, on_n2)[0]["n"] >= 1, 240, "an exchange committed on n2", interval=1.0)
+        ray_cluster.remove_node(ray_cluster.workers.pop("n2"), allow_graceful=False)
+        result = wait_task(cluster_server, accepted["task_id"], TASK_WAIT * 2)
+    finally:
+        end_sessions_left(session_ids)
+    sessions = {s["session_id"]: s for s in result["sessions"]}
+    assert set(sessions) == set(session_ids) and all(s["status"] in ("completed", "failed") for s in sessions.values()), result["counts"]
+    lost = [s for s in sessions.values() if s["node"] == "n2"]
+    # the one running on n2 failed, saying where its exchanges are; a session n2 had not started went elsewhere
+    assert lost and all(s["status"] == "failed" and "node n2 died" in s["error"] for s in lost), lost
+    assert any(s["n_exchanges"] >= 1 for s in lost)  # its first model call (the tool call) was committed on n2
+    completed = [s for s in sessions.values() if s["status"] == "completed"]
+    assert len(completed) == 7 - len(lost) and {s["node"] for s in completed} <= {"n0", "n1"}
+    # n2's second session was preparing (waiting for n2's run slot) with nothing recorded: it ran elsewhere
+    assert "had not started on lost node n2; dispatching it again" in cluster_server.log.read_text()
+    assert not nodes_status(cluster_server)["n2"]["alive"]
+
+    # n2 comes back under its label: its actor reopens its store and marks the lost sessions failed there too
+    ray_cluster.workers["n2"] = start_ray_node(lambda: ray_cluster.add_node(**ray_cluster.node_args("n2")))
+    wait_for(lambda: nodes_status(cluster_server)["n2"]["alive"], 120, "n2 back")
+    lost_ids = ", ".join(f"'{s['session_id']}'" for s in lost)
+    stored = sql(cluster_server, f"SELECT session_id, status, node, error FROM sessions WHERE session_id IN ({lost_ids})")
+    assert {(r["session_id"], r["status"], r["node"]) for r in stored} == {(s["session_id"], "failed", "n2") for s in lost}
+    assert all("restarted mid-session" in r["error"] for r in stored)
+    kept = sql(cluster_server, f"SELECT session_id, count(*) AS n FROM exchanges WHERE session_id IN ({lost_ids}) GROUP BY ALL")
+    assert {r["session_id"]: r["n"] for r in kept} == {s["session_id"]: s["n_exchanges"] for s in lost if s["n_exchanges"]}
+
+
+def test_early_stop_cancels_stragglers_and_a_drained_node_gets_nothing(cluster_server: RolloutServer, engine_url: str) -> None:
+    assert cluster_server.client.delete("/nodes/n1").status_code == 202
+    assert nodes_status(cluster_server)["n1"]["draining"]
+    # sample 0 finishes at once; the others would run five minutes
+    command = 'case "$POLAR_MITM_SESSION" in *-0-*) echo fast ;; *) python3 -c "import time; time.sleep(300)" ;; esac'
+    task = sleeping_task("ray-early", engine_url, 4, 0, early_stop_min_usable_sessions=1)
+    task["instruction"] = f"Run it.\nSTEER-COMMAND: {command}"
+    started = time.monotonic()
+    accepted = cluster_server.submit(task)
+    try:
+        result = wait_task(cluster_server, accepted["task_id"], TASK_WAIT)
+    finally:
+        end_sessions_left(accepted["session_ids"])
+    assert time.monotonic() - started < 240  # far less than the stragglers' five minutes
+    sessions = sorted(result["sessions"], key=lambda s: s["sample_index"])
+    assert sessions[0]["status"] == "completed" and sessions[0]["trajectory"]["sampled_tokens"] > 0
+    assert [s["status"] for s in sessions[1:]] == ["cancelled"] * 3, [(s["status"], s["error"]) for s in sessions]
+    assert result["early_stopped"] is True and result["status"] == "completed"
+    assert all(s["node"] in ("n0", "n2") for s in sessions if s["node"]), [s["node"] for s in sessions]
+    # the trajectories: only the usable session is trainable; a cancelled one contributes nothing trainable
+    table = pq.read_table(result["trajectories"]).to_pylist()
+    assert {r["session_id"] for r in table if r["trainable"]} == {sessions[0]["session_id"]}
+    for session in sessions[1:]:
+        assert not marked_processes(session["session_id"])  # the harness was stopped, not left running
+
+
+def test_head_restart_loses_no_task_double_runs_no_session_and_redelivers_callbacks(ray_cluster, engine_url: str, harness_installed: None, tmp_path: Path, receiver) -> None:  # noqa: F811
+    rx: Receiver = receiver(fail_first={"session_result": 10**6, "task_result": 10**6})  # the trainer is down until the head restarts
+    first = start_server(ray_cluster, engine_url, tmp_path)
+    second: RolloutServer | None = None
+    accepted = first.submit({**sleeping_task("ray-restart", engine_url, 7, 8), "callback_url": rx.url})
+    session_ids = accepted["session_ids"]
+    try:
+        wait_for(lambda: any(s["status"] == "completed" for s in first.task(accepted["task_id"])["sessions"]), 300, "a completed session")
+        before = first.task(accepted["task_id"])
+        stop_server(first, signal.SIGKILL)  # the head dies; the node actors (detached) and their sessions go on
+        rx.fail_first.clear()
+        second = start_server(ray_cluster, engine_url, tmp_path)
+        recovered = second.task(accepted["task_id"])  # accepted before the restart: still known
+        assert recovered["task_id"] == accepted["task_id"] and {s["session_id"] for s in recovered["sessions"]} == set(session_ids)
+        for old in before["sessions"]:
+            if old["status"] == "completed":
+                assert next(s for s in recovered["sessions"] if s["session_id"] == old["session_id"])["status"] == "completed"
+        result = wait_task(second, accepted["task_id"], TASK_WAIT * 2)
+        assert result["counts"] == {"completed": 7}, json.dumps(result)[:3000]
+        # never run twice: every session's two exchanges on one node (a second run would add two more, anywhere)
+        query = f"SELECT session_id, count(*) AS n, count(DISTINCT node) AS nodes FROM exchanges WHERE session_id LIKE '{accepted['task_id']}-%' GROUP BY ALL"
+        rows = sql(second, query)
+        assert {r["session_id"]: (r["n"], r["nodes"]) for r in rows} == {sid: (2, 1) for sid in session_ids}
+        # callbacks that were not acknowledged before the restart were delivered after it, each id acknowledged once
+        rx.wait_for_task_result()
+    finally:
+        end_sessions_left(session_ids)
+        if second is not None:
+            stop_server(second)
+        elif first.process.poll() is None:
+            stop_server(first)
+    acknowledged: dict[str, int] = {}
+    for attempt in rx.attempts:
+        if attempt["status"] == 200:
+            acknowledged[attempt["delivery_id"]] = acknowledged.get(attempt["delivery_id"], 0) + 1
+    assert acknowledged == {**{f"{sid}:session_result": 1 for sid in session_ids}, f"{accepted['task_id']}:task_result": 1}
