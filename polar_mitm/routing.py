@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 from polar_mitm import session as sessions
 from polar_mitm.errors import RunError
 from polar_mitm.gateway.options import DEFAULT_CONFDIR
+from polar_mitm.store.client import pid_alive
 
 DEFAULT_GATEWAY = "http://127.0.0.1:8080"
 # each running gateway lists itself here, so that `polar-mitm run` needs no --gateway:
@@ -118,15 +119,7 @@ def _live_gateways(gateways: dict[str, dict]) -> dict[str, dict]:
 
 
 def _alive(pid: object) -> bool:
-    if not isinstance(pid, int):
-        return True  # an older file without a pid: trust it
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return not isinstance(pid, int) or pid_alive(pid)  # an older file without a pid: trusted
 
 
 def system_ca_bundle(env: Mapping[str, str] | None = None) -> Path | None:

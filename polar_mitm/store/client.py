@@ -27,7 +27,7 @@ def live_endpoint(db_path: str | os.PathLike[str]) -> str | None:
         info = json.loads(control.read_text())
     except (FileNotFoundError, ValueError):
         return None
-    return info.get("sql_url") if _pid_alive(info.get("pid")) else None
+    return info.get("sql_url") if pid_alive(info.get("pid")) else None
 
 
 def load_trajectories(db_path: str | os.PathLike[str], parquet: Path, timeout: float = 300) -> bool:
@@ -50,7 +50,7 @@ def query(db_path: str | os.PathLike[str], sql: str, params: list[Any] | None = 
     control = control_file(path)
     if control.exists():
         info = json.loads(control.read_text())
-        if _pid_alive(info.get("pid")):
+        if pid_alive(info.get("pid")):
             import httpx
 
             check_read_only(sql)
@@ -86,7 +86,7 @@ def query_dicts(db_path: str | os.PathLike[str], sql: str, params: list[Any] | N
     return [dict(zip(columns, row, strict=True)) for row in rows]
 
 
-def _pid_alive(pid: Any) -> bool:
+def pid_alive(pid: Any) -> bool:
     if not isinstance(pid, int):
         return False
     try:
