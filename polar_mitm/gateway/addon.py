@@ -605,6 +605,8 @@ def _client_gone(flow: http.HTTPFlow) -> str | None:
     """Why nobody will read this flow's response any more, or None while its client still waits."""
     if flow.error is not None:
         return f"the flow was ended by the proxy: {flow.error.msg}"
+    if flow.is_replay:
+        return None  # mitmproxy's own replay (mitmweb's Replay) has no client connection to watch
     if not flow.client_conn.state & ConnectionState.CAN_READ:
         # mitmproxy stops reading a client connection only when the client closed it
         return "the client closed its connection before the reply"
