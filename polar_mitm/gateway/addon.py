@@ -13,12 +13,13 @@ import gc
 import hmac
 import json
 import logging
+import sys
 import time
 import uuid
 import weakref
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TextIO, TypeVar
 
 from mitmproxy import ctx, exceptions, http
 from mitmproxy.connection import ConnectionState
@@ -52,7 +53,10 @@ STREAM_HOLD_S = 0.3
 
 
 class PolarAddon:
-    def __init__(self) -> None:
+    def __init__(self, start_line: TextIO | None = None) -> None:
+        # where the one 'listening on ...' line goes: stdout for `polar-mitm gateway`; a rollout node's in-process
+        # gateway sends it to stderr, so the command's own output (its results table) stays clean
+        self.start_line = start_line
         self.store: Store | None = None
         self.engine: Engine | None = None
         self.secret: bytes = b""
@@ -171,7 +175,7 @@ class PolarAddon:
         gc.freeze()
         engine = f"{self.engine.kind} {self.engine.base_url} serving {model!r}" if self.engine and model else (f"{self.engine.kind} {self.engine.base_url} (not answering yet)" if self.engine else "none")
         # printed, not logged: without -v this is the one line that says the gateway is up
-        print(f"polar-mitm gateway: listening on {self.proxy_url()}, store {Path(ctx.options.polar_db).resolve()}, engine {engine}", flush=True)
+        print(f"polar-mitm gateway: listening on {self.proxy_url()}, store {Path(ctx.options.polar_db).resolve()}, engine {engine}", file=self.start_line or sys.stdout, flush=True)
 
     def proxy_url(self) -> str | None:
         proxyserver = ctx.master.addons.get("proxyserver")

@@ -7,6 +7,7 @@ import logging
 import signal
 import sys
 from pathlib import Path
+from typing import TextIO
 
 from mitmproxy import master as mitmproxy_master
 from mitmproxy import options
@@ -66,7 +67,8 @@ class _NoModeHint(logging.Filter):
         return True
 
 
-def make_master(config: GatewayConfig):
+def make_master(config: GatewayConfig, start_line: TextIO | None = None):
+    """The gateway's mitmproxy master; `start_line`: where its 'listening on ...' line goes (default stdout)."""
     opts = options.Options(listen_host=config.host, listen_port=config.port, confdir=str(Path(config.confdir).expanduser()))
     if config.web:
         from mitmproxy.tools.web.master import WebMaster
@@ -79,7 +81,7 @@ def make_master(config: GatewayConfig):
     else:
         master = mitmproxy_master.Master(opts, with_termlog=config.verbose)
         master.addons.add(*gateway_addons())
-    master.addons.add(PolarAddon())
+    master.addons.add(PolarAddon(start_line))
     from polar_mitm.gateway import contentview
 
     contentview.register()

@@ -19,6 +19,7 @@ import asyncio
 import json
 import logging
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -86,7 +87,7 @@ class InProcessGateway:
         from polar_mitm.gateway.server import make_master
 
         async def serve() -> None:
-            self.master = make_master(self.config)
+            self.master = make_master(self.config, start_line=sys.stderr)
             created.set()
             await self.master.run()
 
