@@ -313,6 +313,14 @@ class RayNodes:
         self.head.session_ended(result)
         return result
 
+    async def count_exchanges(self, session_id: str) -> int:
+        """A running session's exchanges so far, read from the store of the node that runs it (0 while unknown)."""
+        for node in self.nodes.values():
+            if session_id in (node.last_load.get("active") or {}):
+                counted = await asyncio.to_thread(_count_exchanges, node.db, session_id, 2.0)
+                return counted or 0
+        return 0
+
     async def _never_started(self, node: NodeHandle, session_id: str) -> bool:
         """The lost node had not started its harness (its last snapshot: queued or preparing) and its store holds no
         exchange of it: nothing of the session is recorded anywhere, so it may run on another node."""
