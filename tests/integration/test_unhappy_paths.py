@@ -104,7 +104,8 @@ def test_a_call_the_client_abandons_is_aborted_on_the_engine_and_recorded_client
     # recorded as soon as the client was gone, not after the generation ran out
     assert time.monotonic() - hung_up < 5
     assert row["status"] == "client_disconnected", row["error"]
-    assert row["http_status"] == 499 and "closed its connection" in row["error"]
+    # a streamed reply's status line went out before the client left (first byte at once): the row says what was sent
+    assert row["http_status"] == (200 if stream else 499) and "closed" in row["error"]
     assert row["completion_token_ids"] is None and json.loads(row["engine_request"])["max_tokens"] == 1000
     assert (_time(row["engine_ended_at"]) - _time(row["engine_started_at"])).total_seconds() < 5
     # the gateway closed its engine connection: vLLM aborts a request whose connection closed
