@@ -25,6 +25,7 @@ import duckdb
 from pydantic import BaseModel
 
 from polar_mitm import store as store_module
+from polar_mitm.store.segments import fetch, fetch_arrow
 
 
 class NodeSnapshot(BaseModel):
@@ -120,20 +121,10 @@ class UnionStore:
             self.con.execute(statement)
 
     def query(self, sql: str, params: list[Any] | None = None) -> tuple[list[str], list[tuple[Any, ...]]]:
-        cursor = self.con.cursor()
-        try:
-            result = cursor.execute(sql, params or [])
-            columns = [d[0] for d in result.description] if result.description else []
-            return columns, result.fetchall()
-        finally:
-            cursor.close()
+        return fetch(self.con, sql, params)
 
     def arrow(self, sql: str, params: list[Any] | None = None) -> Any:
-        cursor = self.con.cursor()
-        try:
-            return cursor.sql(sql, params=params or []).to_arrow_table()
-        finally:
-            cursor.close()
+        return fetch_arrow(self.con, sql, params)
 
     def close(self) -> None:
         self.con.close()

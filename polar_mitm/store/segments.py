@@ -36,6 +36,7 @@ import time
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import duckdb
 import pyarrow as pa
@@ -63,6 +64,26 @@ def segments_dir(db_path: str | os.PathLike[str]) -> Path:
 def store_folder(db_path: str | os.PathLike[str]) -> Path:
     """The absolute folder that holds the database file: what the view's segment paths are relative to."""
     return Path(os.path.abspath(db_path)).parent
+
+
+def fetch(con: duckdb.DuckDBPyConnection, sql: str, params: list[Any] | None = None) -> tuple[list[str], list[tuple[Any, ...]]]:
+    """(columns, rows) of one statement, on a cursor of its own (a connection is shared between threads)."""
+    cursor = con.cursor()
+    try:
+        result = cursor.execute(sql, params or [])
+        columns = [d[0] for d in result.description] if result.description else []
+        return columns, result.fetchall()
+    finally:
+        cursor.close()
+
+
+def fetch_arrow(con: duckdb.DuckDBPyConnection, sql: str, params: list[Any] | None = None) -> Any:
+    """One statement's result as an Arrow table, on a cursor of its own."""
+    cursor = con.cursor()
+    try:
+        return cursor.sql(sql, params=params or []).to_arrow_table()
+    finally:
+        cursor.close()
 
 
 def connect(db_path: str | os.PathLike[str], read_only: bool = False) -> duckdb.DuckDBPyConnection:

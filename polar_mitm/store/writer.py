@@ -44,6 +44,8 @@ from polar_mitm.store.segments import (
     checkpoint_soon,
     connect,
     ensure_schema,
+    fetch,
+    fetch_arrow,
     listed_segments,
     migrate_v1,
     next_segment,
@@ -376,21 +378,11 @@ class Store:
 
     # -- reads (any thread)
     def query(self, sql: str, params: list[Any] | None = None) -> tuple[list[str], list[tuple[Any, ...]]]:
-        cursor = self.con.cursor()
-        try:
-            result = cursor.execute(sql, params or [])
-            columns = [d[0] for d in result.description] if result.description else []
-            return columns, result.fetchall()
-        finally:
-            cursor.close()
+        return fetch(self.con, sql, params)
 
     def arrow(self, sql: str, params: list[Any] | None = None) -> pa.Table:
         """The result of read-only SQL as an Arrow table (list columns as Arrow buffers, no Python object per value)."""
-        cursor = self.con.cursor()
-        try:
-            return cursor.sql(sql, params=params or []).to_arrow_table()
-        finally:
-            cursor.close()
+        return fetch_arrow(self.con, sql, params)
 
     # -- the control endpoint for readers in other processes
     def load_trajectories(self, parquet: Path) -> None:
