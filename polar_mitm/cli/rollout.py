@@ -40,6 +40,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="scale out: one gateway node per Ray node with the polar_node resource (ADDRESS: the Ray cluster, default auto); node N's store is <db stem>.N.duckdb",
     )
     serve.add_argument("--head-db", type=Path, help="with --ray: the head's durable store of tasks, session states and callbacks (default <db stem>.head.duckdb)")
+    serve.add_argument(
+        "--node-data", choices=("auto", "shared", "pull"), default="auto",
+        help="with --ray: read each node's store in place (shared: one machine or a shared file system), pull it to the head's disk through the node (pull), or in place where the head sees the same file, else pulled (auto, the default)",
+    )
     serve.set_defaults(func=_serve, hosts_proxy=True)
 
     submit = commands.add_parser("submit", help="submit a task file to a running rollout server")
@@ -86,7 +90,7 @@ def _uvicorn_server(args: argparse.Namespace, port: int):
     if getattr(args, "ray", None):
         from polar_mitm.rollout.ray_cluster import ClusterConfig, create_ray_app
 
-        app = create_ray_app(ClusterConfig(address=args.ray, node=_node_config(args), head_db=args.head_db))
+        app = create_ray_app(ClusterConfig(address=args.ray, node=_node_config(args), head_db=args.head_db, node_data=args.node_data))
     else:
         app = create_app(_node_config(args))
     return uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="info" if args.gateway_verbose else "warning", timeout_graceful_shutdown=10))

@@ -1,4 +1,4 @@
-"""Every node's store as one: Parquet on each node's disk, read by the head through paths.
+"""Every node's store as one: Parquet on each node's disk, read by the head in place or pulled to its disk.
 
 Each gateway node keeps its own DuckDB store (one writer per file, on its own disk). Most of its exchanges are
 already immutable Parquet segments (`<db>.segments/NNNNNN.parquet`); only the newest (< `segment_rows`) rows sit
@@ -8,18 +8,23 @@ the journal tail and the `sessions` table, taken in one DuckDB transaction so ev
 
 The head then reads `read_parquet([...every node's files...])`: an in-memory DuckDB (`UnionStore`, which the
 assembler takes as `store=`) or a catalog file of views (`write_catalog`) that `polar-mitm sql --db` opens like
-any store. The paths must be readable from the head: one machine, or a shared file system (NFS, Lustre) under
-every node's `--db`. Chosen over DuckDB ATTACH (a live node's file is locked by its writer) and over pulling
-rows through each node's SQL endpoint (JSON rows, no cross-node joins or aggregates); bench/ray_bench.py
-measures the snapshot and the union query.
+any store. Where the head sees a node's file at the same path with the same size (one machine, or a shared file
+system such as NFS or Lustre under every node's `--db`), it reads it in place; otherwise `pull_snapshot` copies
+it into the head's mirror (`<output_dir>/nodes/<node>/`) through the node, in chunks. Segments are immutable and
+uniquely named, so each is pulled once; a snapshot after that costs the journal tail and `sessions` files.
+Chosen over DuckDB ATTACH (a live node's file is locked by its writer) and over pulling rows through each
+node's SQL endpoint (JSON rows, no cross-node joins or aggregates); bench/ray_bench.py measures the snapshot and
+the union query.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import duckdb
 from pydantic import BaseModel
@@ -35,6 +40,15 @@ class NodeSnapshot(BaseModel):
     exchanges: list[str]  # segments (immutable) and the journal tail written for this snapshot
     sessions: str
     seconds: float = 0.0
+    sizes: dict[str, int] = {}  # bytes of every file above, as the node sees them
+    pulled_bytes: int = 0  # copied to the head for this snapshot (0: read in place, or every file already there)
+
+
+NodeData = Literal["auto", "shared", "pull"]
+PULL_CHUNK = 16 * 2**20  # bytes per call to the node: well under Ray's object size limits, few round trips
+
+# how the head reads a range of a node's file: (path on the node, offset, length) -> bytes
+ReadRange = Callable[[str, int, int], Awaitable[bytes]]
 
 
 def snapshot_dir(db_path: Path) -> Path:
@@ -68,7 +82,68 @@ def snapshot_store(con: duckdb.DuckDBPyConnection, db_path: Path, node: str, out
     finally:
         cursor.close()
     _remove_older(out_dir, keep={tail.name, sessions.name})
-    return NodeSnapshot(node=node, exchanges=files, sessions=str(sessions), seconds=round(time.perf_counter() - started, 4))
+    sizes = {path: os.path.getsize(path) for path in [*files, str(sessions)]}
+    return NodeSnapshot(node=node, exchanges=files, sessions=str(sessions), seconds=round(time.perf_counter() - started, 4), sizes=sizes)
+
+
+def readable_file(db_path: Path, path: str) -> Path:
+    """`path` if it is one of the store's segment or snapshot files (all a head may read of a node); else ValueError."""
+    resolved = Path(path).resolve()
+    if resolved.suffix != ".parquet" or resolved.parent not in (store_module.segments_dir(db_path).resolve(), snapshot_dir(db_path).resolve()):
+        raise ValueError(f"{path} is not a segment or snapshot file of {db_path}")
+    return resolved
+
+
+def read_range(db_path: Path, path: str, offset: int, length: int) -> bytes:
+    with readable_file(db_path, path).open("rb") as handle:
+        handle.seek(offset)
+        return handle.read(length)
+
+
+async def pull_snapshot(snapshot: NodeSnapshot, mirror: Path, read: ReadRange, mode: NodeData = "auto") -> NodeSnapshot:
+    """The snapshot with every file the head cannot read in place replaced by its copy under `mirror`.
+
+    "shared": every path is used as the node gave it; "pull": every file is copied; "auto": a file the head sees
+    at the same path with the same size is read in place (same machine or shared file system), others are copied.
+    A copy is written to a temporary name and renamed, so a reader never sees half a file; a segment already in
+    the mirror with its size is not copied again."""
+    if mode == "shared":
+        return snapshot
+    mirror.mkdir(parents=True, exist_ok=True)
+    pulled = 0
+
+    async def local(path: str) -> str:
+        nonlocal pulled
+        size = snapshot.sizes[path]
+        if mode == "auto" and _has_size(Path(path), size):
+            return path
+        copy = mirror / Path(path).name
+        if _has_size(copy, size):
+            return str(copy)
+        partial = copy.with_name(copy.name + ".part")
+        with partial.open("wb") as handle:
+            for offset in range(0, size, PULL_CHUNK) or [0]:
+                chunk = await read(path, offset, min(PULL_CHUNK, size - offset))
+                await asyncio.to_thread(handle.write, chunk)
+        if partial.stat().st_size != size:
+            partial.unlink()
+            raise OSError(f"pulled {path} from node {snapshot.node} short: {size} bytes expected")
+        os.replace(partial, copy)
+        pulled += size
+        return str(copy)
+
+    exchanges = [await local(path) for path in snapshot.exchanges]
+    sessions = await local(snapshot.sessions)
+    keep = {Path(p).name for p in [*exchanges, sessions]}
+    _remove_older(mirror, keep=keep)
+    return snapshot.model_copy(update={"exchanges": exchanges, "sessions": sessions, "sizes": {}, "pulled_bytes": pulled})
+
+
+def _has_size(path: Path, size: int) -> bool:
+    try:
+        return path.stat().st_size == size
+    except OSError:
+        return False
 
 
 def snapshot_closed_store(db_path: Path, node: str, out_dir: Path) -> NodeSnapshot:

@@ -55,8 +55,10 @@ from pydantic import BaseModel, Field
 from polar_mitm.errors import RequestRejected
 from polar_mitm.rollout.callbacks import CallbackSender
 from polar_mitm.rollout.cluster_store import (
+    NodeData,
     NodeSnapshot,
     UnionStore,
+    pull_snapshot,
     snapshot_closed_store,
     snapshot_dir,
     write_catalog,
@@ -79,6 +81,7 @@ class ClusterConfig(BaseModel):
     output_dir: Path | None = Field(None, description="The head's task Parquet files and cluster.duckdb; default <db stem>.head/.")
     poll_interval: float = Field(0.5, gt=0, description="Seconds between the head's polls of every node (stage snapshots, liveness).")
     keep_nodes: bool = Field(False, description="Leave the node actors running when the head closes (a new head re-attaches to them).")
+    node_data: NodeData = Field("auto", description="How the head reads the nodes' stores: 'shared' in place (one machine or a shared file system), 'pull' copied through the node actors into <output_dir>/nodes/, 'auto' in place where the head sees the same file, else pulled.")
 
     def resolved(self) -> ClusterConfig:
         db = self.node.gateway.db.expanduser().resolve()  # actors run in other working directories
@@ -405,7 +408,8 @@ class RayNodes:
         async def one(node: NodeHandle) -> NodeSnapshot | None:
             if node.alive:
                 try:
-                    node.last_snapshot = NodeSnapshot.model_validate(await node.actor.snapshot.remote())
+                    taken = NodeSnapshot.model_validate(await node.actor.snapshot.remote())
+                    node.last_snapshot = await pull_snapshot(taken, self.config.output_dir / "nodes" / node.name, self._reader(node), self.config.node_data)
                     return node.last_snapshot
                 except self.actor_errors as error:
                     self._lost(node, error)
@@ -416,6 +420,13 @@ class RayNodes:
             return node.last_snapshot
 
         return [s for s in await asyncio.gather(*(one(n) for n in nodes)) if s is not None]
+
+    @staticmethod
+    def _reader(node: NodeHandle) -> Any:
+        async def read(path: str, offset: int, length: int) -> bytes:
+            return await node.actor.read_file.remote(path, offset, length)
+
+        return read
 
     async def refresh_catalog(self) -> tuple[Path, list[NodeSnapshot]]:
         snapshots = await self.snapshots()

@@ -8,7 +8,8 @@ the per-stage slots. Everything that crosses the actor boundary is JSON-able (py
 A session id runs at most once per node: `run_session` for a session this actor already runs or ran answers
 with that run. When the actor comes up on a store whose `sessions` table has sessions in a non-final state
 (its previous incarnation died with them), they are marked `failed` ("the node restarted mid-session"); their
-committed exchanges stay in the store, readable by the head through the node's Parquet snapshot.
+committed exchanges stay in the store, readable by the head through the node's Parquet snapshot (in place, or
+pulled through `read_file` where the head does not share this node's disk).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from polar_mitm.errors import RequestRejected
-from polar_mitm.rollout.cluster_store import snapshot_dir, snapshot_store
+from polar_mitm.rollout.cluster_store import read_range, snapshot_dir, snapshot_store
 from polar_mitm.rollout.models import FINAL_STATUSES, SessionResult, TaskRequest
 from polar_mitm.rollout.node import GatewayNode, NodeConfig
 from polar_mitm.rollout.scheduler import SessionWork
@@ -130,6 +131,10 @@ class NodeActor:
     async def snapshot(self) -> dict[str, Any]:
         db = Path(self.config.gateway.db).resolve()
         return (await asyncio.to_thread(snapshot_store, self.node.store.con, db, self.name, snapshot_dir(db))).model_dump()
+
+    async def read_file(self, path: str, offset: int, length: int) -> bytes:
+        """A byte range of one of this store's segment or snapshot files, for a head that cannot read this disk."""
+        return await asyncio.to_thread(read_range, Path(self.config.gateway.db).resolve(), path, offset, length)
 
     async def stop(self) -> None:
         for run in self.runs.values():

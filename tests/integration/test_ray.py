@@ -101,7 +101,7 @@ def ray_startup_priority():
         os.setpriority(os.PRIO_PROCESS, 0, 0)
 
 
-def start_server(ray_cluster, engine_url: str, base: Path, *extra: str, db: Path | None = None) -> RolloutServer:
+def start_server(ray_cluster, engine_url: str, base: Path, *extra: str, db: Path | None = None, nodes: tuple[str, ...] = NODES) -> RolloutServer:
     port = free_port()
     base.mkdir(parents=True, exist_ok=True)
     log = base / f"server-{port}.log"
@@ -118,7 +118,7 @@ def start_server(ray_cluster, engine_url: str, base: Path, *extra: str, db: Path
             raise RuntimeError(f"rollout server exited with {process.returncode}:\n{server.log_tail()}")
         try:
             health = server.client.get("/health")
-            if health.status_code == 200 and all(health.json()["nodes"].get(n) for n in NODES):
+            if health.status_code == 200 and all(health.json()["nodes"].get(n) for n in nodes):
                 return server
         except httpx.HTTPError:
             pass
