@@ -13,6 +13,7 @@ built-in (`RuntimeError`, `ValueError`) still do, so callers written against tho
     ├── HarnessNotInstalled    a harness binary is missing
     ├── RunError               `polar-mitm run` cannot reach or trust its gateway
     ├── ClientError            a CLI client cannot reach or use its server
+    │   └── WeightSyncError    an engine refused or failed a weight-sync call (vLLM LoRA load, SGLang reload)
     ├── RolloutError           the rollout server: RequestRejected, TaskConflict, EvaluatorError, DockerUnavailable
     └── ControlError           a gateway control call (pause/resume) refused, with its HTTP status
 """
@@ -96,6 +97,18 @@ class RunError(PolarError):
 
 class ClientError(PolarError):
     """A command-line client cannot reach or use its server."""
+
+
+class WeightSyncError(ClientError):
+    """An engine's weight-sync endpoint failed: `endpoint` is the URL called, `status` its HTTP status (None: the
+    engine could not be reached), `message` what the engine said."""
+
+    def __init__(self, endpoint: str, status: int | None, message: str):
+        reached = "unreachable" if status is None else f"HTTP {status}"
+        super().__init__(f"POST {endpoint}: {reached}: {message}")
+        self.endpoint = endpoint
+        self.status = status
+        self.message = message
 
 
 class RolloutError(PolarError):

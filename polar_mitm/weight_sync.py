@@ -10,9 +10,14 @@ Like `polar_mitm.client`, this module needs only httpx (no gateway dependencies)
   and serves it under its name; the gateway's resume names it as the engine model, so every call after resume
   uses it. Each version gets its own name: vLLM refuses a loaded name unless `load_inplace`, and an in-place
   reload would change the weights under calls the gateway still attributes to the old version.
-- SGLang (not runnable on this CPU machine; endpoints as its RL docs give them): `POST /pause_generation`,
-  `POST /update_weights_from_disk {"model_path"}`, `POST /continue_generation`. The gateway's drain already
-  holds every call, so the engine-side pause is a second guard for callers that bypass the gateway.
+- SGLang (not runnable on this CPU machine; endpoints and bodies as in SGLang's srt/entrypoints/http_server.py and
+  srt/managers/io_struct.py): `POST /pause_generation {"mode": "abort"|"retract"|"in_place"}`,
+  `POST /update_weights_from_disk {"model_path", "weight_version"?, ...}` answering
+  `{"success", "message", "num_paused_requests"}` (HTTP 400 when it fails), `POST /continue_generation {}`. They are
+  admin endpoints: with `--admin-api-key` (or only `--api-key`) set, SGLang wants that key as a bearer token. The
+  weights reload in place under the same served model name, so resume changes the policy version only. The
+  gateway's drain already holds every call of its own; the engine-side pause (mode "abort" by default) is a second
+  guard: a request that bypassed the gateway is ended rather than finished under weights it did not start with.
 """
 
 from __future__ import annotations
@@ -25,17 +30,32 @@ from pathlib import Path
 import httpx
 
 from polar_mitm.client import GatewayControl
-from polar_mitm.errors import ClientError
+from polar_mitm.errors import WeightSyncError
 
 
 def _post(http: httpx.Client, url: str, body: dict | None = None) -> httpx.Response:
+    """POST JSON; any transport failure or HTTP status >= 400 raises WeightSyncError with the engine's words."""
     try:
         response = http.post(url, json=body)
     except httpx.HTTPError as error:
-        raise ClientError(f"engine at {url} unreachable: {error!r}") from error
+        raise WeightSyncError(url, None, repr(error)) from error
     if response.status_code >= 400:
-        raise ClientError(f"POST {url}: HTTP {response.status_code}: {response.text[:1000]}")
+        raise WeightSyncError(url, response.status_code, _engine_message(response))
     return response
+
+
+def _engine_message(response: httpx.Response) -> str:
+    """The error text of a vLLM/SGLang JSON error body (`message`, `error.message`, `detail`), else the raw text."""
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:1000]
+    if isinstance(body, dict):
+        nested = body.get("error")
+        for value in (body.get("message"), nested.get("message") if isinstance(nested, dict) else nested, body.get("detail")):
+            if isinstance(value, str) and value:
+                return value
+    return response.text[:1000]
 
 
 class VLLMLoraEngine:
@@ -62,18 +82,41 @@ class VLLMLoraEngine:
 
 
 class SGLangDiskEngine:
-    """An SGLang engine's weight reload from disk, bracketed by its own generation pause."""
+    """An SGLang engine's weight reload from disk, bracketed by its own generation pause. `url` is its root or
+    OpenAI base; `api_key`: its --admin-api-key (or --api-key when only that is set), sent as a bearer token."""
 
-    def __init__(self, root_url: str, timeout: float = 600.0):
-        self.root_url = root_url.rstrip("/").removesuffix("/v1")
-        self.http = httpx.Client(timeout=timeout, trust_env=False)
+    def __init__(self, url: str, api_key: str | None = None, timeout: float = 600.0):
+        self.root_url = url.rstrip("/").removesuffix("/v1")
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(timeout=timeout, trust_env=False, headers=headers)
 
-    def update_from_disk(self, model_path: str | Path) -> None:
-        _post(self.http, self.root_url + "/pause_generation", {})
+    def pause(self, mode: str = "abort") -> None:
+        _post(self.http, self.root_url + "/pause_generation", {"mode": mode})
+
+    def load(self, model_path: str | Path, weight_version: str | None = None) -> None:
+        """Reload every weight from `model_path` (a checkpoint folder the engine can read); `weight_version` is
+        what SGLang then reports as its weight version. A local relative path is made absolute (the engine runs
+        elsewhere); anything else (a hub id) goes as given. A reply with success false raises too."""
+        local = Path(model_path)
+        body: dict = {"model_path": str(local.resolve() if local.exists() else model_path)}
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        url = self.root_url + "/update_weights_from_disk"
+        reply = _post(self.http, url, body).json()
+        if not reply.get("success", False):
+            raise WeightSyncError(url, 200, reply.get("message") or f"no success in the reply: {reply}")
+
+    def resume(self) -> None:
+        _post(self.http, self.root_url + "/continue_generation", {})
+
+    def update_from_disk(self, model_path: str | Path, weight_version: str | None = None, pause_mode: str = "abort") -> None:
+        """pause -> load -> continue. Generation continues even when the load fails (on the old weights); the
+        load's error is raised after it. A refused pause raises before anything is loaded."""
+        self.pause(pause_mode)
         try:
-            _post(self.http, self.root_url + "/update_weights_from_disk", {"model_path": str(model_path)})
+            self.load(model_path, weight_version)
         finally:
-            _post(self.http, self.root_url + "/continue_generation", {})
+            self.resume()
 
     def close(self) -> None:
         self.http.close()
@@ -84,6 +127,29 @@ class SyncReport:
     policy_version: int
     engine_model: str | None
     seconds: dict[str, float] = field(default_factory=dict)
+
+
+def _paused_update(gateways: Sequence[GatewayControl], mode: str, drain_timeout: float, report: SyncReport, update) -> None:
+    """Pause every gateway, run `update()` (timed as "load"), resume every gateway on `report`'s version and engine
+    model. When the update fails, every gateway resumes unchanged (the old weights still serve) and the error is
+    raised: no session is left held."""
+    started = time.monotonic()
+    for gateway in gateways:
+        gateway.pause(mode=mode, timeout_seconds=drain_timeout)  # type: ignore[arg-type]
+    report.seconds["pause"] = time.monotonic() - started
+    try:
+        mark = time.monotonic()
+        update()
+        report.seconds["load"] = time.monotonic() - mark
+    except BaseException:
+        for gateway in gateways:
+            gateway.resume()
+        raise
+    mark = time.monotonic()
+    for gateway in gateways:
+        gateway.resume(policy_version=report.policy_version, engine_model=report.engine_model)
+    report.seconds["resume"] = time.monotonic() - mark
+    report.seconds["total"] = time.monotonic() - started
 
 
 def sync_lora(
@@ -100,23 +166,24 @@ def sync_lora(
     on it with `policy_version`, then unload `previous` (no call uses it any more). Returns per-phase seconds."""
     name = f"{name_prefix}{policy_version}"
     report = SyncReport(policy_version, name)
-    started = time.monotonic()
-    for gateway in gateways:
-        gateway.pause(mode=mode, timeout_seconds=drain_timeout)  # type: ignore[arg-type]
-    report.seconds["pause"] = time.monotonic() - started
-    try:
-        mark = time.monotonic()
-        engine.load(name, adapter_dir)
-        report.seconds["load"] = time.monotonic() - mark
-    except BaseException:
-        for gateway in gateways:  # the old adapter still serves: resume on it rather than leave sessions held
-            gateway.resume()
-        raise
-    mark = time.monotonic()
-    for gateway in gateways:
-        gateway.resume(policy_version=policy_version, engine_model=name)
-    report.seconds["resume"] = time.monotonic() - mark
+    _paused_update(gateways, mode, drain_timeout, report, lambda: engine.load(name, adapter_dir))
     if previous is not None and previous != name:
         engine.unload(previous)
-    report.seconds["total"] = time.monotonic() - started
+    return report
+
+
+def sync_from_disk(
+    gateways: Sequence[GatewayControl],
+    engine: SGLangDiskEngine,
+    model_path: str | Path,
+    policy_version: int,
+    mode: str = "drain",
+    drain_timeout: float = 300.0,
+    engine_pause_mode: str = "abort",
+) -> SyncReport:
+    """Drain (or abort) every gateway, then on the engine pause -> update_weights_from_disk(model_path,
+    weight_version=policy_version) -> continue, then resume every gateway with `policy_version` (same engine model:
+    SGLang reloads in place). Returns per-phase seconds."""
+    report = SyncReport(policy_version, None)
+    _paused_update(gateways, mode, drain_timeout, report, lambda: engine.update_from_disk(model_path, str(policy_version), engine_pause_mode))
     return report

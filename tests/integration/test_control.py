@@ -1,24 +1,32 @@
 """Gateway control API (pause drain/abort, resume with a policy version, status) with the real engine, real
-mitmproxy and the official openai SDK as the clients whose calls are held, aborted and re-issued."""
+mitmproxy, and as the clients whose calls are held, aborted and re-issued: the official openai SDK, and the four real
+harness binaries (Qwen Code, Codex, Claude Code, Gemini CLI) run as in tests/integration/test_harnesses.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
+from pathlib import Path
 
 import httpx
 import openai
+import pyarrow.parquet as pq
 import pytest
 
 from polar_mitm.assembler import assemble
 from polar_mitm.client import GatewayControl
 from polar_mitm.errors import ControlError
+from tests.integration.test_harness_keepalives import BASELINE_MARKS, CASES, KEEPALIVE_MARK
+from tests.integration.test_harnesses import HOOK, check_run, installed, run_harness  # noqa: F401 - installed is a fixture
 from tests.support.gatewayproc import Gateway
+from tests.support.upstream_standins import DelayedEngineRelay
 
 # the random-weight test model rarely samples EOS: a call runs to max_tokens, long enough to be caught mid-turn
 LONG = 384
@@ -189,6 +197,55 @@ def test_bad_control_input_is_4xx_and_loses_nothing_in_flight(control_gateway, s
     assert [r["policy_version"] for r in gateway.exchanges(session_id + "-b")] == [6]
 
 
+def test_assemble_cli_drops_stale_sequences(make_gateway, session_id: str, tmp_path) -> None:
+    """`polar-mitm assemble --max-staleness K --current-version V`, the console script, run from another directory
+    with relative paths, on a store whose rows span policy versions 0, 1 and 2."""
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    gateway = make_gateway(db=runs / "store.duckdb")
+    control = GatewayControl(gateway.proxy_url())
+    spans, once_old, once_new = (f"{session_id}-{name}" for name in ("spans", "old", "new"))
+    history: list[dict] = []
+    client = sdk(gateway, spans)
+    try:
+        for version in (0, 1, 2):
+            if version:
+                control.pause()
+                control.resume(policy_version=version)
+            history.append({"role": "user", "content": f"under version {version}"})
+            ask(client, history, max_tokens=4)
+            if version == 0:
+                ask(sdk(gateway, once_old), "old", max_tokens=4)
+        ask(sdk(gateway, once_new), "new", max_tokens=4)
+    finally:
+        control.close()
+    versions = {(r["session_id"], r["policy_version"]) for r in gateway.rows("SELECT session_id, policy_version FROM exchanges")}
+    assert versions == {(spans, 0), (spans, 1), (spans, 2), (once_old, 0), (once_new, 2)}
+    gateway.stop()  # as after a run; the store is the user's file now
+
+    elsewhere = tmp_path / "trainer"
+    elsewhere.mkdir()
+    script = str(Path(sys.executable).with_name("polar-mitm"))
+
+    def assemble_cli(*options: str) -> subprocess.CompletedProcess:
+        command = [script, "assemble", "--db", "../runs/store.duckdb", "--builder", "per_request", *options]
+        return subprocess.run(command, cwd=elsewhere, capture_output=True, text=True, timeout=300)
+
+    done = assemble_cli("--max-staleness", "1", "--current-version", "2", "--out", "out/fresh.parquet", "--json")
+    assert done.returncode == 0, done.stderr
+    stats = json.loads(done.stdout)
+    # per_request: one sequence per exchange; the two sampled under version 0 are more than 1 version old
+    assert stats["stale_sequences"] == 2 and stats["sequences"] == 3, stats
+    table = pq.read_table(elsewhere / "out" / "fresh.parquet").to_pylist()
+    assert sorted((r["session_id"], r["min_policy_version"], r["max_policy_version"]) for r in table) == sorted([(spans, 1, 1), (spans, 2, 2), (once_new, 2, 2)])
+    assert all(set(r["token_policy_versions"] or [r["min_policy_version"]]) == {r["min_policy_version"]} for r in table)
+    everything = assemble_cli("--max-staleness", "2", "--current-version", "2", "--out", "out/all.parquet", "--json")
+    assert everything.returncode == 0 and json.loads(everything.stdout)["stale_sequences"] == 0, everything.stderr
+    assert pq.read_metadata(elsewhere / "out" / "all.parquet").num_rows == 5
+    half = assemble_cli("--max-staleness", "1")
+    assert half.returncode == 2 and "max_staleness and current_version go together" in half.stderr, half
+
+
 def status_model(gateway: Gateway) -> str:
     return httpx.get(gateway.upstream + "/models", trust_env=False).json()["data"][0]["id"]
 
@@ -243,3 +300,115 @@ def test_rollout_server_fans_control_out_to_its_gateway(engine_url: str, tmp_pat
         rollouts.close()
         os.killpg(process.pid, signal.SIGTERM)
         process.wait(timeout=60)
+
+
+# -- the real harnesses, unmodified, held by a pause: nothing but a slower reply reaches them
+
+# Every chat completion reaches the real engine DELAY seconds late (DelayedEngineRelay), so the harnesses' calls
+# overlap and are surely in flight when the pause comes. Their stream idle timeouts are shrunk (CASES: Qwen Code and
+# Codex 4 s, Claude Code's byte watchdog 10 s) below HOLD, the time the paused gateway holds their next call: only
+# the gateway's keepalives (every second) carry them through.
+DELAY = 20.0
+HOLD = 12.0
+
+
+def harness_env(monkeypatch: pytest.MonkeyPatch, names: list[str]) -> None:
+    for name in names:
+        for key, value in CASES[name]["env"].items():
+            monkeypatch.setenv(key, value)
+
+
+def seconds(later, earlier) -> float:
+    return (ts(later) - ts(earlier)).total_seconds()
+
+
+def check_held(name: str, row: dict, resumed_at: datetime) -> None:
+    """A call the paused gateway held: admitted after resume, its stream kept alive by keepalives all along."""
+    assert ts(row["engine_started_at"]) >= resumed_at, row["exchange_id"]
+    assert seconds(row["engine_started_at"], row["started_at"]) >= HOLD, (row["started_at"], row["engine_started_at"])
+    assert row["stream"], row["exchange_id"]
+    waited = seconds(row["engine_ended_at"], row["started_at"])
+    assert row["response_stream"].count(KEEPALIVE_MARK[name]) >= waited - 3 + BASELINE_MARKS[name], (name, waited)
+
+
+@pytest.mark.harness
+def test_drain_with_four_real_harnesses_mid_turn(installed, make_gateway, engine_url, session_id, tmp_path, monkeypatch):  # noqa: F811
+    names = ["qwen", "codex", "claude", "gemini"]
+    harness_env(monkeypatch, names)
+    ids = {name: f"{session_id}-{name}" for name in names}
+    relay = DelayedEngineRelay(engine_url, DELAY)
+    gateway = make_gateway("--engine-hook", HOOK, "--keepalive-interval", "1", "--policy-version", "3", upstream=relay.url)
+    control = GatewayControl(gateway.proxy_url())
+    try:
+        with ThreadPoolExecutor(len(names)) as pool:
+            runs = {}
+            for name in names:
+                (tmp_path / name).mkdir()
+                runs[name] = pool.submit(run_harness, gateway, name, ids[name], tmp_path / name, CASES[name]["options"])
+            try:
+                wait_for(control, lambda s: s["in_flight"] == len(names), timeout=240)
+                pause_called = datetime.now(UTC)
+                paused = control.pause(mode="drain", timeout_seconds=120)
+                paused_at = datetime.now(UTC)
+                assert paused["state"] == "paused" and paused["in_flight"] == 0, paused
+                # each harness ran its tool and sent its next turn: held, not failed
+                wait_for(control, lambda s: s["waiting"] == len(names), timeout=120)
+                time.sleep(HOLD)
+                held = control.status()
+                assert held["state"] == "paused" and held["in_flight"] == 0 and held["waiting"] == len(names), held
+            finally:
+                resumed_at = datetime.now(UTC)
+                resumed = control.resume(policy_version=4)
+            assert resumed["state"] == "serving" and resumed["policy_version"] == 4, resumed
+            results = {name: run.result() for name, run in runs.items()}
+    finally:
+        control.close()
+        relay.close()
+    for name in names:
+        others = tuple(ids[other] for other in names if other != name)
+        rows = check_run(gateway, name, ids[name], tmp_path / name, results[name], side_calls=CASES[name].get("side_calls", 0), others=others)
+        # mid-turn when the pause was called: an engine call that started before it and ended after
+        assert any(ts(r["engine_started_at"]) < pause_called < ts(r["engine_ended_at"]) for r in rows), name
+        before = [r for r in rows if ts(r["engine_ended_at"]) <= paused_at]
+        after = [r for r in rows if ts(r["engine_ended_at"]) > paused_at]
+        assert before and after, name
+        assert {r["policy_version"] for r in before} == {3} and {r["policy_version"] for r in after} == {4}, name
+        assert all(ts(r["engine_started_at"]) >= resumed_at for r in after), name  # nothing ran while paused
+        check_held(name, after[0], resumed_at)
+
+
+@pytest.mark.harness
+@pytest.mark.parametrize("name", ["qwen", "codex", "claude", "gemini"])
+def test_abort_reissues_a_real_harness_call(installed, name, make_gateway, engine_url, session_id, tmp_path, monkeypatch):  # noqa: F811
+    harness_env(monkeypatch, [name])
+    relay = DelayedEngineRelay(engine_url, 8.0)
+    gateway = make_gateway("--engine-hook", HOOK, "--keepalive-interval", "1", "--policy-version", "3", upstream=relay.url)
+    control = GatewayControl(gateway.proxy_url())
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            run = pool.submit(run_harness, gateway, name, session_id, tmp_path, CASES[name]["options"])
+            try:
+                wait_for(control, lambda s: s["in_flight"] == 1, timeout=240)
+                started = time.monotonic()
+                paused = control.pause(mode="abort")
+                assert time.monotonic() - started < 5, "abort must not wait for the call to finish"
+                assert paused["state"] == "paused" and paused["in_flight"] == 0 and paused["aborted_total"] == 1, paused
+                wait_for(control, lambda s: s["waiting"] == 1)  # the aborted call waits to be issued again
+                time.sleep(HOLD)
+            finally:
+                resumed_at = datetime.now(UTC)
+                control.resume(policy_version=4)
+            result = run.result()
+    finally:
+        control.close()
+        relay.close()
+    side_calls = CASES[name].get("side_calls", 0)
+    rows = check_run(gateway, name, session_id, tmp_path, result, side_calls=side_calls, aborted=1)
+    [aborted] = [r for r in gateway.exchanges(session_id) if r["status"] == "aborted"]
+    reissued = rows[0]  # the first call was the one in flight; the harness got one answer for it
+    assert aborted["seq"] == 1 and reissued["seq"] == 2
+    assert aborted["policy_version"] == 3 and reissued["exchange_id"] in aborted["error"]
+    assert reissued["request_body"] == aborted["request_body"]
+    assert {r["policy_version"] for r in rows} == {4} and ts(reissued["engine_started_at"]) >= resumed_at
+    if reissued["stream"]:  # Gemini CLI's first call, its router's, is not streamed: it just waits for its reply
+        check_held(name, reissued, resumed_at)

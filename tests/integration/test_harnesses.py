@@ -69,8 +69,14 @@ def run_harness(gateway, name: str, session_id: str, tmp_path: Path, subcommand_
     return result
 
 
-def check_run(gateway, name: str, session_id: str, tmp_path: Path, result: subprocess.CompletedProcess, side_calls: int = 0) -> list[dict]:
-    """What every harness run must show; returns all its rows (side calls first, then the two agent turns)."""
+def check_run(
+    gateway, name: str, session_id: str, tmp_path: Path, result: subprocess.CompletedProcess, side_calls: int = 0,
+    others: tuple[str, ...] = (), aborted: int = 0,
+) -> list[dict]:
+    """What every harness run must show; returns its served rows (side calls first, then the two agent turns).
+
+    `others`: the session ids of other runs sharing this gateway. `aborted`: how many engine attempts a
+    pause(abort) cut short; each is a row of its own (status 'aborted', no tokens), left out of the returned rows."""
     harness = harnesses.get(name)
     report = f"exit {result.returncode}\n--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-3000:]}"
     assert result.returncode == 0, report
@@ -80,10 +86,14 @@ def check_run(gateway, name: str, session_id: str, tmp_path: Path, result: subpr
     assert proof.read_text() == steering.PROOF_CONTENT
 
     # every exchange of this private gateway is this session's: nothing under another id, no non-model calls
-    assert [r["session_id"] for r in gateway.rows("SELECT DISTINCT session_id FROM exchanges")] == [session_id]
-    rows = [{k: json.loads(v) if k in JSON_COLUMNS and isinstance(v, str) else v for k, v in row.items()} for row in gateway.exchanges(session_id)]
-    summary = [(r["seq"], r["api"], r["status"], r["path"], r["stream"], r["finish_reason"]) for r in rows]
-    assert [r["seq"] for r in rows] == list(range(1, len(rows) + 1)), summary
+    assert sorted(r["session_id"] for r in gateway.rows("SELECT DISTINCT session_id FROM exchanges")) == sorted([session_id, *others])
+    every = [{k: json.loads(v) if k in JSON_COLUMNS and isinstance(v, str) else v for k, v in row.items()} for row in gateway.exchanges(session_id)]
+    summary = [(r["seq"], r["api"], r["status"], r["path"], r["stream"], r["finish_reason"]) for r in every]
+    assert [r["seq"] for r in every] == list(range(1, len(every) + 1)), summary
+    cut = [r for r in every if r["status"] == "aborted"]
+    assert len(cut) == aborted, summary
+    assert all(not r["completion_token_ids"] and "aborted by pause(mode=abort)" in r["error"] for r in cut), summary
+    rows = [r for r in every if r["status"] != "aborted"]
     assert len(rows) == side_calls + 2, summary
     assert all(r["status"] == "ok" and r["http_status"] == 200 for r in rows), summary
     assert {r["api"] for r in rows} == {harness.api}

@@ -3,11 +3,13 @@
 These are fakes, named as such: they exist only to show how the gateway behaves when its engine fails or is slow.
 Every successful path in the tests uses the real vLLM engine, except the streamed-reply SDK tests, which need an
 engine that takes 30 s (SlowStandinEngine); DelayedEngineRelay slows the real engine down instead.
+SGLangWeightSyncStandin answers SGLang's weight-sync endpoints (pause, reload from disk, continue).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 import urllib.error
@@ -161,7 +163,10 @@ class _RelayHandler(_Handler):
                 status, data = response.status, response.read()
         except urllib.error.HTTPError as error:
             status, data = error.code, error.read()
-        self._send(status, data)
+        try:
+            self._send(status, data)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the gateway cancelled this call meanwhile (pause(abort), its client gone): nobody to answer
 
     def do_GET(self) -> None:  # noqa: N802
         self._forward("GET")
@@ -235,3 +240,66 @@ class RecordingVLLMStandin:
             self.server = None
 
     close = stop
+
+
+class SGLangWeightSyncStandin(_Served):
+    """A stand-in SGLang server for weight sync (no SGLang runs on these CPU machines), speaking the endpoints of
+    SGLang's srt/entrypoints/http_server.py with the bodies of srt/managers/io_struct.py:
+
+    - POST /pause_generation {"mode": "abort"|"retract"|"in_place"} (default abort; another mode: 400) ->
+      {"message": "Generation paused successfully.", "status": "ok"}; chat completions then wait for continue.
+    - POST /update_weights_from_disk {"model_path", "weight_version"?, ...} -> {"success", "message",
+      "num_paused_requests"}, HTTP 400 with success false when it cannot load (here: model_path is not a folder).
+    - POST /continue_generation {} -> {"message": "Generation continued successfully.", "status": "ok"}.
+    - GET /get_model_info -> model_path and weight_version as loaded; GET /v1/models; POST /v1/chat/completions
+      answers SGLANG_REPLY.
+
+    With `admin_api_key`, the three admin endpoints want it as a bearer token (401 otherwise), as SGLang's
+    ADMIN_OPTIONAL endpoints do. Not a model: `calls` ((path, body) of every admin call, in order) is what it is for.
+    """
+
+    def __init__(self, model_path: str = "standin-base", admin_api_key: str | None = None, calls: list | None = None):
+        standin = self
+        self.calls: list[tuple[str, dict]] = [] if calls is None else calls
+        self.model_path, self.weight_version = model_path, "default"
+        self.running = threading.Event()
+        self.running.set()
+
+        class Handler(_Handler):
+            def do_GET(self) -> None:  # noqa: N802
+                if self.path == "/get_model_info":
+                    self._reply(200, {"model_path": standin.model_path, "weight_version": standin.weight_version, "is_generation": True})
+                else:
+                    super().do_GET()
+
+            def do_POST(self) -> None:  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers.get("content-length") or 0)) or b"{}")
+                if self.path.endswith("/chat/completions"):
+                    standin.running.wait(60)
+                    self._reply(200, SGLANG_REPLY)
+                    return
+                if self.path not in ("/pause_generation", "/continue_generation", "/update_weights_from_disk"):
+                    self._reply(404, {"detail": "Not Found"})
+                    return
+                if admin_api_key is not None and self.headers.get("authorization") != f"Bearer {admin_api_key}":
+                    self._reply(401, {"error": "Unauthorized"})
+                    return
+                standin.calls.append((self.path, body))
+                if self.path == "/pause_generation":
+                    if body.get("mode", "abort") not in ("abort", "retract", "in_place"):
+                        self._reply(400, {"object": "error", "message": f"Invalid mode: {body.get('mode')!r}. Expected one of ['abort', 'retract', 'in_place'].", "type": "Bad Request", "code": 400})
+                        return
+                    standin.running.clear()
+                    self._reply(200, {"message": "Generation paused successfully.", "status": "ok"})
+                elif self.path == "/continue_generation":
+                    standin.running.set()
+                    self._reply(200, {"message": "Generation continued successfully.", "status": "ok"})
+                elif not isinstance(body.get("model_path"), str):
+                    self._reply(400, {"object": "error", "message": "model_path: Field required", "type": "Bad Request", "code": 400})
+                elif not os.path.isdir(body["model_path"]):
+                    self._reply(400, {"success": False, "message": f"Failed to update weights: no checkpoint at {body['model_path']}", "num_paused_requests": 0})
+                else:
+                    standin.model_path, standin.weight_version = body["model_path"], body.get("weight_version") or standin.weight_version
+                    self._reply(200, {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0})
+
+        super().__init__(Handler)
