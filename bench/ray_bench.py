@@ -211,6 +211,8 @@ async def nodes_bench(n: int, seconds: float, sessions_per_node: int, calls_per_
             config = ray_cluster.ClusterConfig(node=NodeConfig(gateway=gateway)).resolved()
             nodes = ray_cluster.RayNodes(config, HeadStore(base / "head.duckdb"))
             await nodes.discover()
+            if len(nodes.nodes) != n:  # a node whose actor did not start would make this a run of fewer nodes
+                raise RuntimeError(f"{len(nodes.nodes)} of {n} node actors started (the head's log says why)")
             context = ssl.create_default_context(cafile=str(confdir / "mitmproxy-ca-cert.pem"))
             secret = session.load_secret(confdir)
 
