@@ -211,6 +211,8 @@ async def nodes_bench(n: int, seconds: float, sessions_per_node: int, calls_per_
             config = ray_cluster.ClusterConfig(node=NodeConfig(gateway=gateway)).resolved()
             nodes = ray_cluster.RayNodes(config, HeadStore(base / "head.duckdb"))
             await nodes.discover()
+            if len(nodes.nodes) != n:  # a node whose actor did not start would make this a run of fewer nodes
+                raise RuntimeError(f"{len(nodes.nodes)} of {n} node actors started (the head's log says why)")
             context = ssl.create_default_context(cafile=str(confdir / "mitmproxy-ca-cert.pem"))
             secret = session.load_secret(confdir)
 
@@ -228,8 +230,11 @@ async def nodes_bench(n: int, seconds: float, sessions_per_node: int, calls_per_
             await asyncio.gather(*(p.warm() for p in pools))
             procs = {h.name: psutil.Process(h.info["pid"]) for h in handles}
             cpu0 = {name: sum(p.cpu_times()[:2]) for name, p in procs.items()}
+            client0 = cpu_s()
             results = await asyncio.gather(*(p.run_for(seconds) for p in pools))
             cpu1 = {name: sum(p.cpu_times()[:2]) for name, p in procs.items()}
+            client_cpu = cpu_s() - client0
+            load = os.getloadavg()[0]  # the machine's 1-minute load at the end: other work shares the two cores
             errors = sum(len(p.errors) for p in pools)
             for pool in pools:
                 pool.close()
@@ -242,6 +247,7 @@ async def nodes_bench(n: int, seconds: float, sessions_per_node: int, calls_per_
     return {
         "nodes": n, "sessions_per_node": sessions_per_node, "seconds": round(elapsed, 1), "exchanges": exchanges, "errors": errors,
         "exchanges_per_s": round(exchanges / elapsed, 1), "sessions_per_s": round(exchanges / calls_per_session / elapsed, 2), "per_node": per_node,
+        "client_cpu_ms_per_exchange": round(1000 * client_cpu / max(exchanges, 1), 2), "load_1m": round(load, 1),
     }
 
 

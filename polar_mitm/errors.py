@@ -123,6 +123,19 @@ class RequestRejected(RolloutError, ValueError):
         self.loc = loc
 
 
+class GatewayStartError(RolloutError, RuntimeError):
+    """A node's in-process gateway exited while starting; the message says why (mitmproxy's startup errors)."""
+
+    def __init__(self, port: int, causes: list[str]):
+        super().__init__(f"the gateway did not start on 127.0.0.1:{port}: {'; '.join(causes)}")
+        self.port = port
+        self.causes = causes
+
+    @property
+    def port_in_use(self) -> bool:
+        return any("address already in use" in cause.lower() for cause in self.causes)
+
+
 class TaskConflict(RolloutError, ValueError):
     pass
 

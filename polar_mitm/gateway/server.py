@@ -7,7 +7,7 @@ import logging
 import signal
 import sys
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from mitmproxy import master as mitmproxy_master
 from mitmproxy import options
@@ -95,6 +95,18 @@ def make_master(config: GatewayConfig, start_line: TextIO | None = None):
         updates.update(web_open_browser=False, web_port=config.web_port, web_host="127.0.0.1")
     master.options.update(**updates)
     return master
+
+
+def release_log_handlers(master: Any) -> None:
+    """Take a master's log handlers off the root logger. mitmproxy does it in done(), which a master that exited
+    while starting (a port in use) never reaches; left there, they would send every later log record of this
+    process to the master's closed event loop (RuntimeError in the caller of `log.warning`)."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if getattr(handler, "master", None) is master:
+            root.removeHandler(handler)
+    if check := master.addons.get("errorcheck"):
+        check.finish()
 
 
 async def serve(config: GatewayConfig) -> None:

@@ -26,9 +26,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from polar_mitm import harnesses
+from polar_mitm.errors import GatewayStartError
 from polar_mitm.gateway.config import GatewayConfig
 from polar_mitm.rollout import relay, runtimes
 from polar_mitm.rollout.models import SessionResult, TaskRequest, TrajectorySummary, UploadStep
@@ -47,10 +48,23 @@ NODE_OPTIONS = {"host": "127.0.0.1", "require_auth": True, "web": False}
 
 class NodeConfig(BaseModel):
     gateway: GatewayConfig = Field(
-        description="The node's gateway: it owns the store (`gateway.db`); port 0: a free one; NODE_OPTIONS override its values."
+        description="The node's gateway: it owns the store (`gateway.db`); NODE_OPTIONS override its values. Its port: a free one "
+        "unless set (0 or unset); a port that is set is taken as is, so several nodes on one machine cannot share it."
     )
     output_dir: Path | None = Field(None, description="Harness logs and Parquet files (default: <db>.rollouts/ beside the store).")
     limits: StageLimits = Field(default_factory=StageLimits)
+
+    @field_validator("gateway")
+    @classmethod
+    def _free_port_unless_set(cls, gateway: GatewayConfig) -> GatewayConfig:
+        # GatewayConfig's port defaults to the gateway command's 8080; a node left with it would clash with every
+        # other node (and anything else) on its machine, so a port nobody set is a free one, as `rollout serve` does
+        if "port" not in gateway.model_fields_set:
+            return gateway.model_copy(update={"port": 0})
+        return gateway
+
+
+PORT_ATTEMPTS = 3  # free ports tried when the one picked is taken before the gateway binds it
 
 
 class InProcessGateway:
@@ -77,14 +91,14 @@ class InProcessGateway:
         ca = Path(self.config.confdir).expanduser() / "mitmproxy-ca-cert.pem"
         while time.monotonic() < deadline:
             if self.failure is not None or not self.thread.is_alive():
-                raise RuntimeError(f"the gateway did not start: {self.failure!r}")
+                raise GatewayStartError(self.config.port, self.startup_errors() or [repr(self.failure)])
             if created.is_set() and ca.exists() and listening(self.config.port) and self.master.addons.get("polaraddon").started.is_set():
                 return
             time.sleep(0.05)
         raise TimeoutError(f"the gateway did not listen on 127.0.0.1:{self.config.port} within {timeout:.0f}s")
 
     def _main(self, created: threading.Event) -> None:
-        from polar_mitm.gateway.server import make_master
+        from polar_mitm.gateway.server import make_master, release_log_handlers
 
         async def serve() -> None:
             self.master = make_master(self.config, start_line=sys.stderr)
@@ -95,9 +109,18 @@ class InProcessGateway:
             asyncio.run(serve())
         except BaseException as error:  # noqa: BLE001 - SystemExit from mitmproxy's startup check included
             self.failure = error
+            if self.master is not None:
+                release_log_handlers(self.master)
+
+    def startup_errors(self) -> list[str]:
+        """Why the gateway exited while starting: what its startup check logged, one line each."""
+        from polar_mitm.gateway.server import startup_message
+
+        check = self.master.addons.get("errorcheck") if self.master is not None else None
+        return [startup_message(record.getMessage()) for record in check.logger.has_errored] if check is not None else []
 
     def stop(self) -> None:
-        if self.master is not None:
+        if self.master is not None and self.thread is not None and self.thread.is_alive():  # one that failed to start has no loop left
             self.master.shutdown()
         if self.thread is not None:
             self.thread.join(timeout=30)
@@ -127,7 +150,18 @@ class GatewayNode:
 
     async def start(self) -> None:
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        await asyncio.to_thread(self.gateway.start)
+        for attempt in range(PORT_ATTEMPTS):
+            try:
+                await asyncio.to_thread(self.gateway.start)
+                break
+            except GatewayStartError as error:
+                if self.config.gateway.port or not error.port_in_use or attempt == PORT_ATTEMPTS - 1:
+                    raise
+                # the free port picked in __init__ was taken before the gateway bound it (e.g. by another node
+                # starting on this machine at the same moment): another free one
+                log.warning(f"polar node: gateway port {self.port} was taken meanwhile; trying another")
+                self.port = free_port()
+                self.gateway = InProcessGateway(self.gateway.config.model_copy(update={"port": self.port}))
         self.stages = Stages(self.config.limits)
         # sandboxes without a network reach the gateway through this socket (mounted into containers)
         self.relay_dir = Path(tempfile.mkdtemp(prefix="polar-node-"))

@@ -2,10 +2,10 @@
 
     polar-mitm rollout serve --ray [ADDRESS] --upstream URL [--upstream URL ...] --db /shared/polar.duckdb
 
-or, inside a trainer's own Ray job (ray.init already called):
+or, inside a trainer's own Ray job (ray.init already called), RolloutCluster:
 
-    cluster = await RolloutCluster.start(ClusterConfig(node=NodeConfig(gateway=GatewayConfig(upstream=..., db=...))))
-    task = await cluster.submit(TaskRequest(...)); result = (await cluster.wait(task.task_id)).result()
+    async with RolloutCluster(ClusterConfig(node=NodeConfig(gateway=GatewayConfig(upstream=..., db=...)))) as cluster:
+        result = await cluster.run(TaskRequest(...))
 
 Placement. Every alive Ray node with the `polar_node` resource gets one detached, named actor (ray_node.py),
 pinned there by a hard node affinity and holding the whole resource; its store is `<db stem>.<node><suffix>`
@@ -585,7 +585,18 @@ class RayScheduler(Scheduler):
 
 
 class RolloutCluster:
-    """The Python entry point: the head in this process (a trainer's driver, or the rollout server)."""
+    """The Python entry point: the rollout head in this process, for a trainer's driver inside its own Ray job.
+
+        gateway = GatewayConfig(upstream="http://127.0.0.1:30000/v1", db="/shared/polar.duckdb")
+        async with RolloutCluster(ClusterConfig(node=NodeConfig(gateway=gateway))) as cluster:
+            result = await cluster.run(TaskRequest(...))  # or submit(...), then wait(task_id)
+            batch = polar_mitm.client.load_batch(result.trajectories)
+
+    It joins the Ray cluster this process is connected to (the job's own, when ray.init was called; else
+    `config.address`) and puts one node actor on every Ray node with the `polar_node` resource. All methods run
+    on the event loop that started it. `close()` (or leaving the `async with`) cancels unfinished sessions and
+    stops the node actors, unless `config.keep_nodes`; a Ray connection the trainer made stays open.
+    """
 
     def __init__(self, config: ClusterConfig):
         self.config = config.resolved()
@@ -594,22 +605,61 @@ class RolloutCluster:
         self.nodes = RayNodes(self.config, self.head)
         self.scheduler = RayScheduler(self.nodes, self.head)
         self.recovered = 0
+        self.started = False
 
     @classmethod
     async def start(cls, config: ClusterConfig) -> RolloutCluster:
+        """A started cluster: node actors up; the tasks a previous head with this head_db had accepted, recovered."""
         cluster = cls(config)
-        await cluster.nodes.start()
-        cluster.recovered = cluster.scheduler.recover()
+        await cluster._start()
         return cluster
 
-    async def submit(self, request: TaskRequest) -> Task:
-        return await self.scheduler.submit(request)
+    async def _start(self) -> None:
+        await self.nodes.start()
+        self.recovered = self.scheduler.recover()
+        self.started = True
+
+    async def __aenter__(self) -> RolloutCluster:
+        if not self.started:
+            await self._start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def submit(self, request: TaskRequest | dict[str, Any]) -> TaskResult:
+        """Accept a task and dispatch its sessions; returns at once: status running, every session (and its id) queued.
+        Same task_id + same request: that task again; a different request under a used task_id: TaskConflict.
+        A request no node can run: RequestRejected (`loc` names the field)."""
+        return (await self.scheduler.submit(TaskRequest.model_validate(request))).result()
 
     async def wait(self, task_id: str) -> TaskResult:
+        """The task once every session has ended and its trajectories are assembled (`trajectories`: a Parquet path)."""
         return (await self.scheduler.wait(task_id)).result()
 
+    async def run(self, request: TaskRequest | dict[str, Any]) -> TaskResult:
+        """submit, then wait."""
+        return await self.wait((await self.submit(request)).task_id)
+
+    def task(self, task_id: str) -> TaskResult:
+        """The task as it stands now (KeyError: no such task)."""
+        return self.scheduler.task(task_id).result()
+
+    def cancel(self, task_id: str) -> TaskResult:
+        """Cancel the task's unfinished sessions; wait() then returns it with status cancelled."""
+        return self.scheduler.cancel_task(task_id).result()
+
     async def query(self, sql: str) -> tuple[list[str], list[tuple[Any, ...]]]:
+        """One read-only query over every node's store: (columns, rows)."""
         return await self.nodes.query(sql)
+
+    def status(self) -> dict[str, Any]:
+        """Every node (alive, draining, sessions by stage, engines) and the head queue, as `GET /nodes` shows them."""
+        return self.nodes.status()
+
+    def drain(self, node: str, draining: bool = True) -> dict[str, Any]:
+        """Send nothing new to `node` (what it runs finishes there); draining=False takes it back. KeyError: no node."""
+        return self.nodes.drain(node, draining).status()
 
     def health(self) -> dict[str, Any]:
         return self.nodes.health()

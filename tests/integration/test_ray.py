@@ -16,6 +16,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
+import duckdb
 import httpx
 import psutil
 import pyarrow.parquet as pq
@@ -39,6 +40,7 @@ ray = pytest.importorskip("ray")
 NODES = ("n0", "n1", "n2")
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 SLEEP = 'python3 -c "import time; time.sleep({seconds})"'
+TRAINER = Path(__file__).resolve().parents[1] / "support" / "ray_trainer.py"
 
 
 @pytest.fixture(scope="module")
@@ -336,3 +338,86 @@ def test_head_restart_loses_no_task_double_runs_no_session_and_redelivers_callba
         if attempt["status"] == 200:
             acknowledged[attempt["delivery_id"]] = acknowledged.get(attempt["delivery_id"], 0) + 1
     assert acknowledged == {**{f"{sid}:session_result": 1 for sid in session_ids}, f"{accepted['task_id']}:task_result": 1}
+
+
+# -- the Python entry point, as a trainer's driver uses it inside its own Ray job ----------------------------------
+
+
+def cluster_config(engine_url: str, base: Path) -> Any:
+    """What a trainer writes: the engine, the store, the steering hook; no gateway port (each node picks a free one),
+    one prepare and one run slot per node, as the server tests' `rollout serve --ray` has."""
+    from polar_mitm.gateway.config import GatewayConfig
+    from polar_mitm.rollout.node import NodeConfig
+    from polar_mitm.rollout.ray_cluster import ClusterConfig
+    from polar_mitm.rollout.scheduler import StageLimits
+
+    gateway = GatewayConfig(upstream=engine_url, db=base / "store.duckdb", confdir=str(base / "confdir"), engine_hook=HOOK)
+    return ClusterConfig(node=NodeConfig(gateway=gateway, limits=StageLimits(prepare=1, run=1)))
+
+
+def trainer_job(ray_cluster, config: Any, scenario: str, tasks: list[dict[str, Any]], base: Path) -> dict[str, Any]:
+    """tests/support/ray_trainer.py, a trainer's driver process on the cluster; what it saw."""
+    out, log = base / f"trainer-{scenario}.json", base / f"trainer-{scenario}.log"
+    command = [sys.executable, str(TRAINER), ray_cluster.address, config.model_dump_json(), scenario, json.dumps(tasks), str(out)]
+    process = subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        process.wait(timeout=TASK_WAIT * 2)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    finally:
+        end_sessions_left([s["session_id"] for task in (json.loads(out.read_text())["accepted"] if out.exists() else []) for s in task["sessions"]])
+    assert process.returncode == 0, log.read_text()[-5000:]
+    return json.loads(out.read_text())
+
+
+def test_a_trainer_runs_a_task_through_the_python_entry_point_in_its_own_ray_job(ray_cluster, engine_url: str, harness_installed: None, tmp_path: Path) -> None:  # noqa: F811
+    from polar_mitm.client import load_batch
+
+    seen = trainer_job(ray_cluster, cluster_config(engine_url, tmp_path), "run", [coding_task("ray-python", engine_url, "local", 2)], tmp_path)
+    # every node came up, each gateway on a port of its own (GatewayConfig's default port made all but one exit)
+    assert seen["health"]["nodes"] == dict.fromkeys(NODES, True)
+    assert len({n["gateway"] for n in seen["nodes"]}) == len(NODES), seen["nodes"]
+    # submit answered at once: running, every session queued
+    accepted, result = seen["accepted"][0], seen["results"][0]
+    assert accepted["status"] == "running" and [s["status"] for s in accepted["sessions"]] == ["queued", "queued"]
+    assert seen["now"] == result
+    sessions = {s["session_id"]: s for s in result["sessions"]}
+    assert result["status"] == "completed" and result["counts"] == {"completed": 2}, json.dumps(result)[:3000]
+    assert set(sessions) == {s["session_id"] for s in accepted["sessions"]}
+    for session_id, session in sessions.items():
+        assert session["evaluation"]["details"]["content"] == session_id  # its own sandbox
+        assert session["reward"] == session["sample_index"] / 2 and session["n_exchanges"] == 2 and session["node"] in NODES
+    # SQL over every node's store: each session's two exchanges, in the store of the node that ran it
+    assert sorted(map(tuple, seen["rows"])) == sorted((s["node"], sid, 2) for sid, s in sessions.items())
+    # the trajectories come back to the trainer as a batch, assembled over every node's store
+    batch = load_batch(result["trajectories"])
+    assert set(batch.session_ids) == set(sessions) and batch.sampled_tokens > 0
+    assert sorted(result["trajectory_stats"]["nodes"]) == list(NODES)
+    # closed: the node actors are gone; the trainer's Ray connection was left to the trainer
+    assert seen["actors_left"] == [] and seen["ray_connected"] is True
+
+
+def test_a_higher_dispatch_priority_goes_first_through_limited_slots(ray_cluster, engine_url: str, harness_installed: None, tmp_path: Path) -> None:  # noqa: F811
+    """One node open (the others drained): two slots (one preparing, one running). A busy task fills them; a task
+    with priority 0 is queued, then one with priority 90. The later, higher-priority task's sessions are dispatched
+    first, as the head store records and the node's session start times show."""
+    tasks = [
+        sleeping_task("ray-prio-busy", engine_url, 2, 5, dispatch_priority=50),
+        sleeping_task("ray-prio-low", engine_url, 2, 0, dispatch_priority=0),
+        sleeping_task("ray-prio-high", engine_url, 2, 0, dispatch_priority=90),
+    ]
+    config = cluster_config(engine_url, tmp_path)
+    seen = trainer_job(ray_cluster, config, "priority", tasks, tmp_path)
+    # while the busy task held both slots, the other four sessions waited in the head queue
+    assert seen["queue"] == {"sessions": 4, "priorities": [90, 0]}, seen["queue"]
+    for result in seen["results"]:
+        assert result["counts"] == {"completed": 2} and {s["node"] for s in result["sessions"]} == {seen["open_node"]}, json.dumps(result)[:3000]
+
+    # the head store: the order in which sessions were handed to the node
+    with duckdb.connect(str(config.resolved().head_db), read_only=True) as head:
+        order = [row[0] for row in head.execute("SELECT task_id FROM head_sessions ORDER BY dispatched_at").fetchall()]
+    assert order == ["ray-prio-busy"] * 2 + ["ray-prio-high"] * 2 + ["ray-prio-low"] * 2, order
+    # the node: every high-priority session started preparing before any low-priority one
+    started = {r["task_id"]: sorted(s["timings"]["preparing"]["started_at"] for s in r["sessions"]) for r in seen["results"]}
+    assert started["ray-prio-high"][-1] < started["ray-prio-low"][0], started

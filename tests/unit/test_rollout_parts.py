@@ -179,3 +179,70 @@ def test_a_harness_that_is_not_installed_is_refused_by_name(tmp_path: Path, monk
     with pytest.raises(RequestRejected, match="gemini-cli.*not installed.*install.sh") as refused:
         asyncio.run(node.check(request))
     assert refused.value.loc == ("agent", "harness")
+
+
+def test_nodes_on_one_machine_each_get_a_free_gateway_port_and_a_taken_port_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Ray bench's 2- and 4-node runs lost every node but one: a NodeConfig built from GatewayConfig's defaults
+    gave every node the gateway command's port 8080, and each further node's gateway exited at start-up with only
+    'Error logged during startup, exiting...'. A port nobody set is now a free one per node; a set one that is taken
+    fails naming the cause; a picked free port taken before the gateway binds it is replaced."""
+    import socket
+
+    from polar_mitm.errors import GatewayStartError
+    from polar_mitm.gateway.config import GatewayConfig
+    from polar_mitm.rollout import node as node_module
+    from polar_mitm.rollout.node import GatewayNode, NodeConfig
+    from polar_mitm.util import free_port
+
+    def config(name: str, **gateway: Any) -> NodeConfig:
+        return NodeConfig(gateway=GatewayConfig(upstream="http://127.0.0.1:9/v1", engine_model="m", db=tmp_path / f"{name}.duckdb", confdir=str(tmp_path / "confdir"), **gateway))
+
+    assert config("a").gateway.port == 0 and config("b", port=8123).gateway.port == 8123
+    assert NodeConfig.model_validate(config("c", port=8123).model_dump(mode="json")).gateway.port == 8123  # across the actor boundary
+
+    async def two_nodes() -> None:
+        first, second = GatewayNode(config("first")), GatewayNode(config("second"))
+        await first.start()
+        try:
+            await second.start()
+            try:
+                assert first.port != second.port and first.health()["gateway_listening"] and second.health()["gateway_listening"]
+            finally:
+                await second.stop()
+        finally:
+            await first.stop()
+
+    asyncio.run(two_nodes())
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+
+        # a set port that something else holds: the error says so (no other port is tried)
+        async def set_port_taken() -> None:
+            node = GatewayNode(config("set", port=port))
+            try:
+                await node.start()
+            finally:
+                await node.stop()
+
+        with pytest.raises(GatewayStartError, match=f"127.0.0.1:{port}.*address already in use") as failed:
+            asyncio.run(set_port_taken())
+        assert failed.value.port_in_use
+
+        # a free port picked in __init__ and taken before start(): another one is picked
+        picks = iter([port])
+        monkeypatch.setattr(node_module, "free_port", lambda: next(picks, 0) or free_port())
+
+        async def picked_port_taken() -> int:
+            node = GatewayNode(config("picked"))
+            assert node.port == port
+            await node.start()
+            try:
+                assert node.port != port and node.health()["gateway_listening"]
+                return node.port
+            finally:
+                await node.stop()
+
+        asyncio.run(picked_port_taken())
