@@ -258,7 +258,7 @@ def union_bench(rows_per_node: list[int], tmp: Path) -> list[dict[str, Any]]:
     """Snapshot cost and one union query over 3 stores, each filled with `rows` exchange rows through Store."""
     import random
 
-    from polar_mitm.rollout.cluster_store import UnionStore, snapshot_dir, snapshot_store
+    from polar_mitm.rollout.cluster_store import UnionStore, pull_snapshot, read_range, snapshot_dir, snapshot_store
     from polar_mitm.store import Store, now
 
     out = []
@@ -282,10 +282,31 @@ def union_bench(rows_per_node: list[int], tmp: Path) -> list[dict[str, Any]]:
         _, result = union.query("SELECT node, count(*), sum(len(prompt_token_ids)) FROM exchanges GROUP BY node ORDER BY node")
         query_s = time.perf_counter() - started
         union.close()
+        # a head without the nodes' disk: node 0's files pulled into a mirror (the copy alone, no network), then
+        # a refresh after one more row (its segments are in the mirror already: only the tail and sessions move)
+        store = stores[0]
+
+        async def read(path: str, offset: int, length: int, db: Path = store.path) -> bytes:
+            return read_range(db, path, offset, length)
+
+        mirror = tmp / f"mirror{rows}"
+        started = time.perf_counter()
+        first = asyncio.run(pull_snapshot(snaps[0], mirror, read, "pull"))
+        pull_first_s = time.perf_counter() - started
+        loop = asyncio.new_event_loop()
+        loop.run_until_complete(store.commit_exchange({**row, "exchange_id": f"0-{rows}", "started_at": now(), "ended_at": now()}))
+        loop.close()
+        started = time.perf_counter()
+        refresh = asyncio.run(pull_snapshot(snapshot_store(store.con, store.path, "n0", snapshot_dir(store.path)), mirror, read, "pull"))
+        pull_refresh_s = time.perf_counter() - started
         for store in stores:
             store.close()
         assert [r[1] for r in result] == [rows] * 3
-        out.append({"rows_per_node": rows, "snapshot_ms_per_node": round(1000 * snapshot_s / 3, 1), "parquet_files_per_node": [len(s.exchanges) for s in snaps], "union_query_ms": round(1000 * query_s, 1)})
+        out.append({
+            "rows_per_node": rows, "snapshot_ms_per_node": round(1000 * snapshot_s / 3, 1), "parquet_files_per_node": [len(s.exchanges) for s in snaps], "union_query_ms": round(1000 * query_s, 1),
+            "pull_first_ms": round(1000 * pull_first_s, 1), "pull_first_mb": round(first.pulled_bytes / 2**20, 2),
+            "refresh_with_pull_ms": round(1000 * pull_refresh_s, 1), "refresh_pulled_mb": round(refresh.pulled_bytes / 2**20, 3),
+        })
     return out
 
 
