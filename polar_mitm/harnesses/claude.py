@@ -38,9 +38,10 @@ class Claude(Harness):
     shell_tool = "Bash"
     shell_argument = "command"
     needs_node = False  # a native binary
-    # API_TIMEOUT_MS, default 600,000 ms in 2.1.332: the limit of its non-streaming requests (its fallback after a
-    # failed stream)
-    unstreamed_timeout = 600.0
+    # its non-streamed requests (the fallback after a failed stream) are aborted after API_TIMEOUT_MS, default
+    # 300,000 ms in 2.1.332's bundle (`nno()`: API_TIMEOUT_MS, else 120 s with CLAUDE_CODE_REMOTE, else 300 s); the
+    # SDK's own 600 s default is not what limits them
+    unstreamed_timeout = 300.0
 
     def arguments(self, instruction: str, model: str | None) -> list[str]:
         return ["--print", instruction, "--dangerously-skip-permissions", "--output-format", "json", *(["--model", model] if model else [])]

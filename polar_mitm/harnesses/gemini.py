@@ -32,7 +32,8 @@ class Gemini(Harness):
     shell_tool = "run_shell_command"
     shell_argument = "command"
     # its fetch dispatcher (undici Agent/EnvHttpProxyAgent) has headersTimeout 60 s (`defaultHeadersTimeout = 6e4`
-    # in 0.61.0's bundle; only a server-side experiment flag changes it): the model router's generateContent
+    # in 0.61.0's bundle; only the DEFAULT_REQUEST_TIMEOUT experiment flag changes it, from Google's server or a file
+    # named by GEMINI_EXP): the model router's generateContent. Streams: bodyTimeout 300 s, no setting
     unstreamed_timeout = 60.0
 
     def arguments(self, instruction: str, model: str | None) -> list[str]:

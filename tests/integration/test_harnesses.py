@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from polar_mitm import harnesses, routing
 from polar_mitm.assembler import assemble
 from polar_mitm.store import JSON_COLUMNS
 from tests.support import harness_steering as steering
+from tests.support.processes import stop_process_group
 
 REPO = Path(__file__).resolve().parents[2]
 INSTALL = REPO / "sandboxes" / "harnesses" / "install.sh"
@@ -47,8 +49,9 @@ def installed() -> float:
     return elapsed
 
 
-def run_harness(gateway, name: str, session_id: str, tmp_path: Path, subcommand_options: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    """`subcommand_options` go right after the harness's subcommand (Codex's `exec -c key=value`)."""
+def run_harness(gateway, name: str, session_id: str, tmp_path: Path, subcommand_options: tuple[str, ...] = (), stop_when: Callable[[], bool] | None = None) -> subprocess.CompletedProcess:
+    """`subcommand_options` go right after the harness's subcommand (Codex's `exec -c key=value`). With `stop_when`
+    (checked every second), the run and the harness under it are stopped (SIGTERM) once it holds."""
     harness = harnesses.get(name)
     try:
         argv = harness.command(INSTRUCTION, harness.default_model)
@@ -64,9 +67,30 @@ def run_harness(gateway, name: str, session_id: str, tmp_path: Path, subcommand_
         *(["--model", harness.default_model] if harness.default_model else []), "--", *argv,
     ]
     started = time.monotonic()
-    result = subprocess.run(command, cwd=workspace, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    if stop_when is None:
+        result = subprocess.run(command, cwd=workspace, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    else:
+        result = _run_until(command, workspace, env, stop_when, tmp_path)
     print(f"\n{name} run: {time.monotonic() - started:.1f}s, exit {result.returncode}")
     return result
+
+
+def _run_until(command: list[str], cwd: Path, env: dict[str, str], stop_when: Callable[[], bool], tmp_path: Path) -> subprocess.CompletedProcess:
+    """Run `command` (its output to files: nothing blocks on a full pipe) until it exits or `stop_when()` holds; then
+    stop its process group, the harness with it. Raises TimeoutExpired as subprocess.run does after RUN_TIMEOUT."""
+    out, err = tmp_path / "run.stdout", tmp_path / "run.stderr"
+    with out.open("w") as stdout, err.open("w") as stderr:
+        process = subprocess.Popen(command, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, text=True, start_new_session=True)
+    deadline = time.monotonic() + RUN_TIMEOUT
+    try:
+        while process.poll() is None and not stop_when():
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(command, RUN_TIMEOUT)
+            time.sleep(1)
+    finally:
+        if process.poll() is None:
+            stop_process_group(process, grace=30)
+    return subprocess.CompletedProcess(command, process.returncode, out.read_text(), err.read_text())
 
 
 def check_run(

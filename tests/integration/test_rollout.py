@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ import pytest
 from polar_mitm import harnesses, store
 from polar_mitm.rollout.runtimes.local import marked_processes
 from polar_mitm.util import free_port
+from tests.support.processes import stop_process_group
 
 pytestmark = [pytest.mark.harness, pytest.mark.engine]
 
@@ -124,12 +124,7 @@ def server(engine_url: str, harness_installed: None, tmp_path_factory: pytest.Te
         time.sleep(0.2)
     yield rollout
     rollout.client.close()
-    os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+    stop_process_group(process, grace=60)
 
 
 class Receiver:

@@ -14,6 +14,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 # The reply shape of SGLang >= 0.5.13's /v1/chat/completions with return_meta_info and
@@ -152,11 +153,19 @@ class SlowStandinEngine(_Served):
 class _RelayHandler(_Handler):
     target = ""
     delay = 0.0
+    slowed: Callable[[dict], bool] = staticmethod(lambda request: True)
+    # set per relay by DelayedEngineRelay: chat completions received (shared by the server's threads, under lock)
+    completions: list[int]
+    lock: threading.Lock
+    closed: threading.Event
 
     def _forward(self, method: str) -> None:
         body = self.rfile.read(int(self.headers.get("content-length") or 0)) if method == "POST" else None
         if method == "POST" and self.path.endswith("/chat/completions"):
-            time.sleep(self.delay)
+            with self.lock:
+                self.completions[0] += 1
+            if self.slowed(json.loads(body or b"{}")) and self.closed.wait(self.delay):
+                return  # the relay was closed while this call waited: the real engine never sees it
         request = urllib.request.Request(self.target + self.path, data=body, method=method, headers={"content-type": "application/json"})
         try:
             with urllib.request.urlopen(request, timeout=600) as response:
@@ -176,12 +185,25 @@ class _RelayHandler(_Handler):
 
 
 class DelayedEngineRelay(_Served):
-    """In front of the real engine: every chat completion is forwarded after `delay` seconds, unchanged (the reply
-    is the real engine's, token ids and all). Stands in for a busy engine or a long prefill."""
+    """In front of the real engine: each chat completion `slowed` selects (by its request body; default every one)
+    is forwarded after `delay` seconds, unchanged (the reply is the real engine's, token ids and all); `completions`
+    counts the chat completions received. Stands in for a busy engine or a long prefill."""
 
-    def __init__(self, engine_url: str, delay: float):
+    def __init__(self, engine_url: str, delay: float, slowed: Callable[[dict], bool] | None = None):
         root = engine_url.rstrip("/").removesuffix("/v1")
-        super().__init__(type("RelayHandler", (_RelayHandler,), {"target": root, "delay": delay}))
+        self._received, self._closed = [0], threading.Event()
+        attributes = {"target": root, "delay": delay, "completions": self._received, "lock": threading.Lock(), "closed": self._closed}
+        if slowed is not None:
+            attributes["slowed"] = staticmethod(slowed)
+        super().__init__(type("RelayHandler", (_RelayHandler,), attributes))
+
+    @property
+    def completions(self) -> int:
+        return self._received[0]
+
+    def close(self) -> None:
+        self._closed.set()
+        super().close()
 
 
 class RecordingVLLMStandin:
