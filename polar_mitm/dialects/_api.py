@@ -33,6 +33,9 @@ class Dialect(Protocol):
 
     API: str  # the `exchanges.api` value
     STREAM_CONTENT_TYPE: str
+    # Optional (not a member, so a plugin dialect without it still conforms): REQUEST_ID_HEADER, the reply header the
+    # provider names its requests by. The SDKs put its value on their errors, and Qwen Code retries an in-stream
+    # error only when that names a request.
 
     def recognizes(self, method: str, path: str) -> bool:
         """Is this request (path without the query string) a model call in this API?"""

@@ -19,6 +19,7 @@ from polar_mitm.exchange import Completion, DialectError, Notes, ParsedRequest, 
 
 API = "anthropic_messages"
 STREAM_CONTENT_TYPE = "text/event-stream; charset=utf-8"
+REQUEST_ID_HEADER = "request-id"
 
 # Anthropic sampling fields -> the engine's names
 SAMPLING = {"max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "stop_sequences": "stop"}

@@ -10,6 +10,7 @@ from polar_mitm.exchange import Completion, DialectError, Notes, ParsedRequest, 
 
 API = "openai_chat"
 STREAM_CONTENT_TYPE = "text/event-stream; charset=utf-8"
+REQUEST_ID_HEADER = "x-request-id"
 
 # fields the engine understands as they are
 PASSTHROUGH = {

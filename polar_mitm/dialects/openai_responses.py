@@ -22,6 +22,7 @@ from polar_mitm.exchange import Completion, DialectError, Notes, ParsedRequest, 
 
 API = "openai_responses"
 STREAM_CONTENT_TYPE = "text/event-stream; charset=utf-8"
+REQUEST_ID_HEADER = "x-request-id"
 
 # Responses name -> chat-completions name, same meaning
 SAMPLING = {"temperature": "temperature", "top_p": "top_p", "max_output_tokens": "max_tokens", "top_logprobs": "top_logprobs", "parallel_tool_calls": "parallel_tool_calls"}

@@ -374,7 +374,7 @@ class PolarAddon:
         except Exception as error:  # noqa: BLE001 - never reply without a committed row
             log.exception("polar: could not commit exchange")
             status_code, content_type, body, _ = self._error(dialect, DialectError(500, "store_error", f"polar-mitm could not record the exchange: {error}"))
-        flow.response = http.Response.make(status_code, body, _reply_headers(content_type, row))
+        flow.response = http.Response.make(status_code, body, _reply_headers(content_type, row, dialect))
 
     async def _while_client_waits(self, flow: http.HTTPFlow, call: Awaitable[T]) -> T:
         """Await `call` (the engine's part of an exchange) while its client still waits for the answer.
@@ -481,7 +481,7 @@ class PolarAddon:
             call.result()  # raises: answered as a non-streamed failure
         state = StreamState(id=f"chatcmpl-{row['exchange_id'].replace('-', '')}", created=int(time.time()))
         reply = StreamedReply(
-            _reply_headers(dialect.STREAM_CONTENT_TYPE, row), dialect.stream_opening(parsed, state),
+            _reply_headers(dialect.STREAM_CONTENT_TYPE, row, dialect), dialect.stream_opening(parsed, state),
             lambda: dialect.stream_keepalive(parsed, state), ctx.options.polar_keepalive_interval,
         )
         self.streams.route(flow, reply)
@@ -589,8 +589,10 @@ def _unstreamed_timeout(harness: str | None) -> float | None:
     return limit - UNSTREAMED_MARGIN_S
 
 
-def _reply_headers(content_type: str, row: ExchangeRow) -> dict[str, str]:
+def _reply_headers(content_type: str, row: ExchangeRow, dialect: Dialect) -> dict[str, str]:
     headers = {"content-type": content_type, "x-polar-exchange-id": row["exchange_id"], "x-polar-session-id": row["session_id"]}
+    if request_id_header := getattr(dialect, "REQUEST_ID_HEADER", None):  # as the provider names its requests
+        headers[request_id_header] = "req_" + row["exchange_id"].replace("-", "")
     if content_type.startswith("text/event-stream"):
         headers["cache-control"] = "no-cache"
     return headers

@@ -137,6 +137,8 @@ def test_row_is_committed_before_the_reply(gateway: Gateway, session_id: str) ->
     with httpx.Client(proxy=gateway.proxy_url(session_id), verify=gateway.ssl_context(), trust_env=False) as client:
         with client.stream("POST", "https://api.openai.com/v1/chat/completions", json=body, headers={"authorization": "Bearer sk-x"}) as response:
             exchange_id = response.headers["x-polar-exchange-id"]
+            # the provider's request id: the openai SDK puts it on errors, Qwen Code retries a stream error naming one
+            assert response.headers["x-request-id"] == "req_" + exchange_id.replace("-", "")
             # headers and the opening chunk come at once (streamed replies start before the engine answers); once
             # any event after the opening is in, the row must already be durable
             events = (line for line in response.iter_lines() if line.startswith("data: "))

@@ -313,6 +313,7 @@ def test_a_retry_after_an_in_stream_error_is_a_retry_not_a_fork(make_gateway, se
         assert message.content[0].text == SLOW_TEXT
         rows = rows_of(gateway, session_id)
         assert [(r["seq"], r["status"], r["retry_count"]) for r in rows] == [(1, "engine_error", 0), (2, "ok", 1)]
+        assert failed.value.request_id == "req_" + rows[0]["exchange_id"].replace("-", "")  # from the request-id header
         [sequence] = assemble(gateway.db, builder="prefix_merging", session=session_id).sequences
         assert sequence.exchange_ids == [rows[1]["exchange_id"]]
     finally:

@@ -154,18 +154,27 @@ class _RelayHandler(_Handler):
     target = ""
     delay = 0.0
     slowed: Callable[[dict], bool] = staticmethod(lambda request: True)
-    # set per relay by DelayedEngineRelay: chat completions received (shared by the server's threads, under lock)
+    failing: Callable[[dict], bool] = staticmethod(lambda request: False)
+    # set per relay: chat completions received, and how many more of those `failing` selects get the stand-in's
+    # HTTP 500 (both shared by the server's threads, under lock)
     completions: list[int]
+    failures: list[int] = [0]
     lock: threading.Lock
     closed: threading.Event
 
     def _forward(self, method: str) -> None:
         body = self.rfile.read(int(self.headers.get("content-length") or 0)) if method == "POST" else None
         if method == "POST" and self.path.endswith("/chat/completions"):
+            request = json.loads(body or b"{}")
             with self.lock:
                 self.completions[0] += 1
-            if self.slowed(json.loads(body or b"{}")) and self.closed.wait(self.delay):
+                fail = self.failures[0] > 0 and self.failing(request)
+                self.failures[0] -= fail
+            if (fail or self.slowed(request)) and self.closed.wait(self.delay):
                 return  # the relay was closed while this call waited: the real engine never sees it
+            if fail:
+                self._reply(500, {"object": "error", "message": "stand-in relay: engine failure after its delay", "type": "InternalServerError", "code": 500})
+                return
         request = urllib.request.Request(self.target + self.path, data=body, method=method, headers={"content-type": "application/json"})
         try:
             with urllib.request.urlopen(request, timeout=600) as response:
@@ -187,14 +196,20 @@ class _RelayHandler(_Handler):
 class DelayedEngineRelay(_Served):
     """In front of the real engine: each chat completion `slowed` selects (by its request body; default every one)
     is forwarded after `delay` seconds, unchanged (the reply is the real engine's, token ids and all); `completions`
-    counts the chat completions received. Stands in for a busy engine or a long prefill."""
+    counts the chat completions received. Stands in for a busy engine or a long prefill.
 
-    def __init__(self, engine_url: str, delay: float, slowed: Callable[[dict], bool] | None = None):
+    With `failing`, it stands in for an engine that fails mid-generation (a crashed worker, an OOM), which no real
+    engine does on demand: the first chat completion `failing` selects waits `delay` seconds and then gets HTTP 500
+    from the relay, never reaching the engine; every later one (a retry of it too) is treated as above."""
+
+    def __init__(self, engine_url: str, delay: float, slowed: Callable[[dict], bool] | None = None, failing: Callable[[dict], bool] | None = None):
         root = engine_url.rstrip("/").removesuffix("/v1")
         self._received, self._closed = [0], threading.Event()
         attributes = {"target": root, "delay": delay, "completions": self._received, "lock": threading.Lock(), "closed": self._closed}
         if slowed is not None:
             attributes["slowed"] = staticmethod(slowed)
+        if failing is not None:
+            attributes.update(failing=staticmethod(failing), failures=[1])
         super().__init__(type("RelayHandler", (_RelayHandler,), attributes))
 
     @property
