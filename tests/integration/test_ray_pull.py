@@ -25,6 +25,7 @@ import pytest
 from tests.integration.test_ray import (
     LOOPBACK_ENV,
     ray_startup_priority,
+    sql,
     start_ray_node,
     start_server,
     stop_server,
@@ -93,13 +94,6 @@ def _children(pid: int) -> list[psutil.Process]:
         return psutil.Process(pid).children(recursive=True)
     except psutil.Error:
         return []
-
-
-def sql(server, query: str) -> list[dict[str, Any]]:
-    response = server.client.get("/sql", params={"q": query})
-    assert response.status_code == 200, response.text
-    body = response.json()
-    return [dict(zip(body["columns"], row, strict=True)) for row in body["rows"]]
 
 
 def test_a_node_on_a_disk_the_head_cannot_see_is_pulled_into_sql_and_trajectories(split_disk_cluster, engine_url: str, harness_installed: None) -> None:  # noqa: F811

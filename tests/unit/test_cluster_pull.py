@@ -86,15 +86,18 @@ def test_pulled_snapshot_reads_like_the_node_and_pulls_each_segment_once(tmp_pat
         store.close()
 
 
-def test_auto_pulls_a_file_the_head_sees_with_another_size(tmp_path: Path) -> None:
-    """A path that exists on the head but is not the node's file (another machine's disk, same layout) is pulled."""
-    node_db = tmp_path / "store.n2.duckdb"
+def _closed_store_snapshot(node_db: Path, rows: int):
     store = Store(node_db)
     try:
-        _fill(store, 0, 3)
-        taken = snapshot_store(store.con, node_db, "n2", snapshot_dir(node_db))
+        _fill(store, 0, rows)
+        return snapshot_store(store.con, node_db, node_db.stem.split(".")[-1], snapshot_dir(node_db))
     finally:
         store.close()
+
+
+def test_auto_pulls_a_file_the_head_sees_with_another_size(tmp_path: Path) -> None:
+    """A path that exists on the head but is not the node's file (another machine's disk, same layout) is pulled."""
+    taken = _closed_store_snapshot(tmp_path / "store.n2.duckdb", 3)
     real = {path: Path(path).read_bytes() for path in taken.sizes}
     for path in taken.sizes:  # the head's own file at the same path differs
         Path(path).write_bytes(b"not the node's file")
@@ -109,12 +112,7 @@ def test_auto_pulls_a_file_the_head_sees_with_another_size(tmp_path: Path) -> No
 
 def test_a_node_serves_only_its_segment_and_snapshot_files(tmp_path: Path) -> None:
     node_db = tmp_path / "store.n1.duckdb"
-    store = Store(node_db)
-    try:
-        _fill(store, 0, 1)
-        taken = snapshot_store(store.con, node_db, "n1", snapshot_dir(node_db))
-    finally:
-        store.close()
+    taken = _closed_store_snapshot(node_db, 1)
     assert read_range(node_db, taken.sessions, 0, 4) == b"PAR1"
     (tmp_path / "secret.parquet").write_bytes(b"PAR1")
     for path in (str(node_db), str(tmp_path / "secret.parquet"), str(snapshot_dir(node_db) / ".." / "secret.parquet"), "/etc/passwd"):
