@@ -314,7 +314,7 @@ HOLD = 12.0
 
 def harness_env(monkeypatch: pytest.MonkeyPatch, names: list[str]) -> None:
     for name in names:
-        for key, value in CASES[name]["env"].items():
+        for key, value in CASES[name].get("env", {}).items():
             monkeypatch.setenv(key, value)
 
 
@@ -344,7 +344,7 @@ def test_drain_with_four_real_harnesses_mid_turn(installed, make_gateway, engine
             runs = {}
             for name in names:
                 (tmp_path / name).mkdir()
-                runs[name] = pool.submit(run_harness, gateway, name, ids[name], tmp_path / name, CASES[name]["options"])
+                runs[name] = pool.submit(run_harness, gateway, name, ids[name], tmp_path / name, CASES[name].get("options", ()))
             try:
                 wait_for(control, lambda s: s["in_flight"] == len(names), timeout=240)
                 pause_called = datetime.now(UTC)
@@ -386,7 +386,7 @@ def test_abort_reissues_a_real_harness_call(installed, name, make_gateway, engin
     control = GatewayControl(gateway.proxy_url())
     try:
         with ThreadPoolExecutor(1) as pool:
-            run = pool.submit(run_harness, gateway, name, session_id, tmp_path, CASES[name]["options"])
+            run = pool.submit(run_harness, gateway, name, session_id, tmp_path, CASES[name].get("options", ()))
             try:
                 wait_for(control, lambda s: s["in_flight"] == 1, timeout=240)
                 started = time.monotonic()
