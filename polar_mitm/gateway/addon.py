@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TextIO, TypeVar
 
+import duckdb
 from mitmproxy import ctx, exceptions, http
 from mitmproxy.connection import ConnectionState
 
@@ -36,6 +37,7 @@ from polar_mitm.gateway.control import EngineCallAborted, PolicyControl
 from polar_mitm.gateway.streaming import LoopbackStreams, StreamedReply
 from polar_mitm.render.serve import RENDER_MODES, TokenPath
 from polar_mitm.store import ExchangeRow, Store, now
+from polar_mitm.store.client import live_endpoint
 from polar_mitm.util import load_function
 
 log = logging.getLogger("polar_mitm.gateway")
@@ -137,7 +139,7 @@ class PolarAddon:
     def _open_store(self) -> None:
         db = Path(ctx.options.polar_db)
         try:
-            self.store = Store(db)
+            self.store = _open_when_readers_leave(db)
             self.store.serve_sql(ctx.options.polar_sql_port)
         except Exception as error:  # noqa: BLE001 - a startup failure, told in one line (errorcheck exits)
             if self.store is not None:
@@ -617,6 +619,23 @@ def _client_gone(flow: http.HTTPFlow) -> str | None:
         # mitmproxy stops reading a client connection only when the client closed it
         return "the client closed its connection before the reply"
     return None
+
+
+# A reader that found no live gateway (`polar-mitm sql`, store.query, a notebook) opens the file read-only for the
+# length of its query, which DuckDB's file lock refuses a writer meanwhile; a gateway starting just then (a restart
+# after a crash leaves a stale control file) waits for it. Another live gateway on the store is refused at once.
+READER_LOCK_WAIT_S = 15.0
+
+
+def _open_when_readers_leave(db: Path) -> Store:
+    deadline = time.monotonic() + READER_LOCK_WAIT_S
+    while True:
+        try:
+            return Store(db)
+        except duckdb.IOException as error:
+            if "lock" not in str(error).lower() or live_endpoint(db) is not None or time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
 
 
 def _one_line(error: BaseException) -> str:

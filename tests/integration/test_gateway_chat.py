@@ -8,16 +8,18 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import duckdb
 import httpx
 import openai
 import pytest
 
 from polar_mitm import store
 from polar_mitm.util import free_port
-from tests.support.gatewayproc import Gateway, proxy_env
+from tests.support.gatewayproc import Gateway, listening, proxy_env
 from tests.support.upstream_standins import StandinUpstream
 
 pytestmark = pytest.mark.engine
@@ -258,6 +260,38 @@ def test_sigkill_loses_no_committed_exchange(make_gateway, session_id: str) -> N
     finally:
         restarted.stop()
 
+
+
+def test_a_gateway_restarting_while_a_reader_has_the_store_open_waits_for_it(make_gateway, session_id: str) -> None:
+    """After a crash the control file names a dead gateway, so a reader (polar-mitm sql, store.query) opens the file
+    itself; a gateway started meanwhile waits for that reader instead of exiting on DuckDB's lock."""
+    gateway = make_gateway()
+    body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    _post(gateway, session_id, body)
+    gateway.stop(signal.SIGKILL)
+    port = free_port()
+    reader = duckdb.connect(str(gateway.db), read_only=True)
+    held: list[float] = []
+
+    def close_reader() -> None:  # 2 s after the new gateway listens, i.e. while it opens the store
+        deadline = time.monotonic() + 120
+        while not listening(port) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(2.0)
+        held.append(time.monotonic())
+        reader.close()
+
+    closing = threading.Thread(target=close_reader)
+    closing.start()
+    restarted = Gateway(port=port, db=gateway.db, confdir=gateway.confdir, upstream=gateway.upstream).start()
+    try:
+        assert held, "the gateway was ready before the reader let go of the store"
+        _post(restarted, session_id, body)
+        assert [r["seq"] for r in restarted.exchanges(session_id)] == [1, 2]
+        assert "cannot open the store" not in restarted.log.read_text()
+    finally:
+        closing.join()
+        restarted.stop()
 
 def test_sql_cli_while_gateway_runs(gateway: Gateway, session_id: str) -> None:
     _post(gateway, session_id, {"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2})

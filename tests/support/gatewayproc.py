@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -52,7 +53,7 @@ class Gateway:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"gateway exited with {self.process.returncode}:\n{self.log.read_text()[-3000:]}")
-            if self.ca_cert.exists() and store.control_file(self.db).exists() and _listening(self.port):
+            if self.ca_cert.exists() and _serves_store(self.db, self.process.pid) and listening(self.port):
                 return self
             time.sleep(0.1)
         raise TimeoutError(f"gateway did not come up:\n{self.log.read_text()[-3000:]}")
@@ -69,7 +70,15 @@ class Gateway:
         return self.rows("SELECT * FROM exchanges WHERE session_id = ? ORDER BY seq", [session_id])
 
 
-def _listening(port: int) -> bool:
+def _serves_store(db: Path, pid: int) -> bool:
+    """The store is open by this gateway: its control file names it (a file left by a gateway killed before is not)."""
+    try:
+        return json.loads(store.control_file(db).read_text()).get("pid") == pid
+    except (OSError, ValueError):
+        return False
+
+
+def listening(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.2)
         return s.connect_ex(("127.0.0.1", port)) == 0
