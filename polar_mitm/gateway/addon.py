@@ -166,7 +166,8 @@ class PolarAddon:
                     return  # errorcheck stops the gateway, before the store is opened
                 # not fatal: the engine may come up later; each call retries discovery
                 log.warning(f"polar: {error.message}")
-        self._open_store()
+        # off the event loop: opening may wait for a reader's lock (_open_when_readers_leave) while mitmproxy listens
+        await asyncio.to_thread(self._open_store)
         if self.store is None:
             return  # errorcheck stops the gateway with the logged cause
         await self.streams.start()
