@@ -15,7 +15,8 @@ with the same label gets its store back). Nodes that join later are picked up by
 Dispatch. Sessions wait in one head queue ordered by `dispatch_priority` (higher first), then arrival. A node
 takes at most `prepare + run` of its stage limits at once (admission: a session dispatched there starts
 preparing at once or waits for a run slot there); the queue goes to the node with the lowest fill, so sessions
-spread. `GET /nodes` shows each node's sessions by stage and the head queue. A draining node (`DELETE
+spread. Sessions given to one node at the same moment may start there in either order (Ray does not order an
+async actor's calls). `GET /nodes` shows each node's sessions by stage and the head queue. A draining node (`DELETE
 /nodes/NAME`) gets nothing new and finishes what it has.
 
 Failure. The head records "dispatched to N" before calling N. If N's actor dies (the node's processes killed,

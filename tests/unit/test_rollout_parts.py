@@ -131,6 +131,11 @@ def test_local_sandbox_timeout_and_teardown_leave_nothing(tmp_path: Path) -> Non
         assert (result.exit_code, result.stdout.strip(), result.stderr.strip()) == (3, f"hi from {sandbox.workdir}", "err")
         # a detached grandchild leaves the process group; its marker still finds it
         await sandbox.exec("setsid sleep 300 > /dev/null 2>&1 & echo started", 30)
+        # the exec returns while that child may still be exec'ing (its environment reads empty for that moment)
+        for _ in range(100):
+            if marked_processes(sandbox.id):
+                break
+            await asyncio.sleep(0.05)
         assert marked_processes(sandbox.id)
         with pytest.raises(TimeoutError):
             await sandbox.exec("sleep 300", 0.5)

@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import tempfile
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -134,14 +135,25 @@ def marked_processes(sandbox_id: str) -> list[int]:
     return found
 
 
-def kill_marked(sandbox_id: str, rounds: int = 5) -> None:
-    # a dying tree may still fork: repeat until a scan finds nothing
-    for _ in range(rounds):
+def kill_marked(sandbox_id: str, settle: float = 0.2, limit: float = 10.0) -> None:
+    """SIGKILL every process carrying the sandbox's marker, until scans over `settle` seconds find none.
+
+    One empty scan is not enough: a process in the middle of exec shows an empty environment for a moment
+    (measured here: 139 of 2.3 million reads while processes exec'd Python), and a dying tree may still fork.
+    """
+    deadline = time.monotonic() + limit
+    quiet_since: float | None = None
+    while time.monotonic() < deadline:
         pids = marked_processes(sandbox_id)
-        if not pids:
+        if pids:
+            quiet_since = None
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        elif quiet_since is None:
+            quiet_since = time.monotonic()
+        elif time.monotonic() - quiet_since >= settle:
             return
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        time.sleep(0.05)
