@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from polar_mitm import session, store
+from polar_mitm import routing, session, store
 
 
 @dataclass
@@ -53,7 +53,7 @@ class Gateway:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"gateway exited with {self.process.returncode}:\n{self.log.read_text()[-3000:]}")
-            if self.ca_cert.exists() and _serves_store(self.db, self.process.pid) and listening(self.port):
+            if self.ca_cert.exists() and _serves_store(self.db, self.process.pid) and listening(self.port) and _announced(self.confdir, self.process.pid):
                 return self
             time.sleep(0.1)
         raise TimeoutError(f"gateway did not come up:\n{self.log.read_text()[-3000:]}")
@@ -76,6 +76,15 @@ def _serves_store(db: Path, pid: int) -> bool:
         return json.loads(store.control_file(db).read_text()).get("pid") == pid
     except (OSError, ValueError):
         return False
+
+
+def _announced(confdir: Path, pid: int) -> bool:
+    """The gateway listed itself in its confdir's gateway file (its last start-up step; `polar-mitm run` reads it)."""
+    try:
+        gateways = json.loads((confdir / routing.GATEWAY_FILE).read_text()).get("gateways") or {}
+    except (OSError, ValueError):
+        return False
+    return any(entry.get("pid") == pid for entry in gateways.values())
 
 
 def listening(port: int) -> bool:
