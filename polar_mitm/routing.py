@@ -55,12 +55,17 @@ def find_gateway(confdir: str | Path, explicit: str | None = None) -> tuple[str,
     if env := os.environ.get("POLAR_MITM_GATEWAY"):
         return env, "$POLAR_MITM_GATEWAY"
     marker = Path(confdir).expanduser() / GATEWAY_FILE
-    live = _live_gateways(_read_gateways(marker))
+    live = live_gateways(confdir)
     if not live:
         return DEFAULT_GATEWAY, f"the default (no live gateway listed in {marker})"
     newest = max(live, key=lambda url: live[url].get("started_at", 0))
     others = f"; also live there: {', '.join(sorted(set(live) - {newest}))}" if len(live) > 1 else ""
     return newest, f"the newest live gateway in {marker} (pid {live[newest].get('pid')}, store {live[newest].get('db')}){others}"
+
+
+def live_gateways(confdir: str | Path) -> dict[str, dict]:
+    """The gateways listed in the confdir's GATEWAY_FILE whose process is alive: URL -> {pid, db, started_at}."""
+    return _live_gateways(_read_gateways(Path(confdir).expanduser() / GATEWAY_FILE))
 
 
 def announce_gateway(confdir: str | Path, url: str, db: Path) -> Path:

@@ -14,7 +14,7 @@ Every name below is importable from `polar_mitm.store` as before the split.
 """
 
 from polar_mitm.store import views
-from polar_mitm.store.client import query, query_dicts
+from polar_mitm.store.client import live_holder, query, query_dicts
 from polar_mitm.store.control import READ_ONLY_STATEMENTS, check_read_only, control_file
 from polar_mitm.store.records import (
     BODY_FIELDS,
@@ -92,6 +92,7 @@ __all__ = [
     "journal_records",
     "journal_source",
     "journal_table",
+    "live_holder",
     "now",
     "query",
     "query_dicts",

@@ -20,14 +20,20 @@ from polar_mitm.store.control import check_read_only, control_file
 from polar_mitm.store.segments import connect
 
 
-def live_endpoint(db_path: str | os.PathLike[str]) -> str | None:
-    """The SQL endpoint of the gateway that holds the store now, or None."""
-    control = control_file(Path(db_path))
+def live_holder(db_path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The control file of the gateway that holds the store now ({"pid", "sql_url"}), or None (no file, or the
+    process it names is gone)."""
     try:
-        info = json.loads(control.read_text())
+        info = json.loads(control_file(Path(db_path)).read_text())
     except (FileNotFoundError, ValueError):
         return None
-    return info.get("sql_url") if pid_alive(info.get("pid")) else None
+    return info if isinstance(info, dict) and pid_alive(info.get("pid")) else None
+
+
+def live_endpoint(db_path: str | os.PathLike[str]) -> str | None:
+    """The SQL endpoint of the gateway that holds the store now, or None."""
+    holder = live_holder(db_path)
+    return holder.get("sql_url") if holder else None
 
 
 def load_trajectories(db_path: str | os.PathLike[str], parquet: Path, timeout: float = 300) -> bool:
@@ -48,17 +54,15 @@ def query(db_path: str | os.PathLike[str], sql: str, params: list[Any] | None = 
     """Read the store from any process: directly when no gateway holds it, else through the gateway."""
     path = Path(db_path)
     control = control_file(path)
-    if control.exists():
-        info = json.loads(control.read_text())
-        if pid_alive(info.get("pid")):
-            import httpx
+    if url := live_endpoint(path):
+        import httpx
 
-            check_read_only(sql)
-            response = httpx.post(info["sql_url"] + "/sql", json={"sql": sql, "params": params}, timeout=timeout, trust_env=False)
-            payload = response.json()
-            if response.status_code != 200:
-                raise RuntimeError(payload.get("error", response.text))
-            return payload["columns"], payload["rows"]
+        check_read_only(sql)
+        response = httpx.post(url + "/sql", json={"sql": sql, "params": params}, timeout=timeout, trust_env=False)
+        payload = response.json()
+        if response.status_code != 200:
+            raise RuntimeError(payload.get("error", response.text))
+        return payload["columns"], payload["rows"]
     if not path.exists():
         raise FileNotFoundError(f"no store at {path}")
     deadline = time.monotonic() + timeout

@@ -82,7 +82,11 @@ def serve_sql(db_path: str | os.PathLike[str], run_query: RunQuery, port: int = 
 
     server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
     threading.Thread(target=server.serve_forever, name="polar-sql", daemon=True).start()
-    control_file(db_path).write_text(json.dumps({"pid": os.getpid(), "sql_url": sql_url(server)}))
+    # whole or absent: a reader never sees half a file
+    control = control_file(db_path)
+    partial = control.with_name(control.name + f".{os.getpid()}.tmp")
+    partial.write_text(json.dumps({"pid": os.getpid(), "sql_url": sql_url(server)}))
+    os.replace(partial, control)
     return server
 
 

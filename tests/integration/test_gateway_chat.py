@@ -261,7 +261,6 @@ def test_sigkill_loses_no_committed_exchange(make_gateway, session_id: str) -> N
         restarted.stop()
 
 
-
 def test_a_gateway_restarting_while_a_reader_has_the_store_open_waits_for_it(make_gateway, session_id: str) -> None:
     """After a crash the control file names a dead gateway, so a reader (polar-mitm sql, store.query) opens the file
     itself; a gateway started meanwhile waits for that reader instead of exiting on DuckDB's lock."""
@@ -292,6 +291,7 @@ def test_a_gateway_restarting_while_a_reader_has_the_store_open_waits_for_it(mak
     finally:
         closing.join()
         restarted.stop()
+
 
 def test_sql_cli_while_gateway_runs(gateway: Gateway, session_id: str) -> None:
     _post(gateway, session_id, {"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2})

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -72,19 +71,12 @@ class Gateway:
 
 def _serves_store(db: Path, pid: int) -> bool:
     """The store is open by this gateway: its control file names it (a file left by a gateway killed before is not)."""
-    try:
-        return json.loads(store.control_file(db).read_text()).get("pid") == pid
-    except (OSError, ValueError):
-        return False
+    return (store.live_holder(db) or {}).get("pid") == pid
 
 
 def _announced(confdir: Path, pid: int) -> bool:
     """The gateway listed itself in its confdir's gateway file (its last start-up step; `polar-mitm run` reads it)."""
-    try:
-        gateways = json.loads((confdir / routing.GATEWAY_FILE).read_text()).get("gateways") or {}
-    except (OSError, ValueError):
-        return False
-    return any(entry.get("pid") == pid for entry in gateways.values())
+    return any(entry.get("pid") == pid for entry in routing.live_gateways(confdir).values())
 
 
 def listening(port: int) -> bool:
