@@ -11,7 +11,7 @@ nodes      1, 2 and 4 real gateway node actors (one per Ray node of a local ray.
            this process drives sessions straight at each node's gateway as harnesses do (CONNECT + TLS with
            session credentials, real Qwen Code request bodies, bench/client.py), the same number per node.
            Reports sessions/s (a session: 4 exchanges), exchanges/s, and each node actor's CPU per exchange.
-union      The head's view of every node's store (cluster_store.py): a node's snapshot (journal tail +
+union      The head's view of every node's store (store/snapshots.py, store/union.py): a node's snapshot (journal tail +
            sessions to Parquet) and one query over the union, by rows stored.
 
 Everything runs on one machine: with 2 cores shared by the load client, the head, every node and the stub, the
@@ -75,21 +75,22 @@ async def scheduler_bench(sessions: int, nodes: int, capacity: int, hold: float,
     import ray
 
     from polar_mitm.gateway.config import GatewayConfig
-    from polar_mitm.rollout import ray_cluster
-    from polar_mitm.rollout.head_store import HeadStore
     from polar_mitm.rollout.models import TaskRequest
     from polar_mitm.rollout.node import NodeConfig
-    from polar_mitm.rollout.scheduler import SessionWork
+    from polar_mitm.rollout.ray import config as ray_config
+    from polar_mitm.rollout.ray import nodes as ray_nodes
+    from polar_mitm.rollout.ray.head_store import HeadStore
+    from polar_mitm.rollout.session_run import SessionWork
     from polar_mitm.store import now
 
     actors = [ray.remote(SimulatedNode).options(num_cpus=0, max_concurrency=100_000).remote(hold) for _ in range(processes)]
     await asyncio.gather(*(a.load.remote() for a in actors))
-    config = ray_cluster.ClusterConfig(node=NodeConfig(gateway=GatewayConfig(upstream="http://127.0.0.1:9/v1", db=tmp / "sched.duckdb"))).resolved()
+    config = ray_config.ClusterConfig(node=NodeConfig(gateway=GatewayConfig(upstream="http://127.0.0.1:9/v1", db=tmp / "sched.duckdb"))).resolved()
     head = HeadStore(Path(tempfile.mkdtemp(dir=tmp)) / "sched.head.duckdb")  # a fresh head per run
-    cluster = ray_cluster.RayNodes(config, head)
+    cluster = ray_nodes.RayNodes(config, head)
     for index in range(nodes):
         name = f"sim{index:03d}"
-        cluster.nodes[name] = ray_cluster.NodeHandle(name=name, ray_node_id=name, actor=actors[index % processes], info={}, capacity=capacity, db=tmp / f"{name}.duckdb")
+        cluster.nodes[name] = ray_nodes.NodeHandle(name=name, ray_node_id=name, actor=actors[index % processes], info={}, capacity=capacity, db=tmp / f"{name}.duckdb")
     dispatch_seconds: list[float] = []
     original = cluster._dispatch
 
@@ -128,8 +129,8 @@ async def scheduler_bench(sessions: int, nodes: int, capacity: int, hold: float,
 
 def head_store_cost(n: int, tmp: Path) -> dict[str, Any]:
     """What the durable head's per-session writes cost alone (dispatched + ended)."""
-    from polar_mitm.rollout.head_store import HeadStore
     from polar_mitm.rollout.models import SessionResult, TaskRequest
+    from polar_mitm.rollout.ray.head_store import HeadStore
     from polar_mitm.store import now
 
     head = HeadStore(tmp / "cost.head.duckdb")
@@ -198,9 +199,10 @@ async def nodes_bench(n: int, seconds: float, sessions_per_node: int, calls_per_
     from bench.client import Pool, Target
     from polar_mitm import session
     from polar_mitm.gateway.config import GatewayConfig
-    from polar_mitm.rollout import ray_cluster
-    from polar_mitm.rollout.head_store import HeadStore
     from polar_mitm.rollout.node import NodeConfig
+    from polar_mitm.rollout.ray import config as ray_config
+    from polar_mitm.rollout.ray import nodes as ray_nodes
+    from polar_mitm.rollout.ray.head_store import HeadStore
 
     base = tmp / f"nodes{n}"
     confdir = base / "confdir"
@@ -208,8 +210,8 @@ async def nodes_bench(n: int, seconds: float, sessions_per_node: int, calls_per_
     with local_cluster(n) as cluster:
         ray.init(address=cluster.address, namespace="polar-mitm-bench")
         try:
-            config = ray_cluster.ClusterConfig(node=NodeConfig(gateway=gateway)).resolved()
-            nodes = ray_cluster.RayNodes(config, HeadStore(base / "head.duckdb"))
+            config = ray_config.ClusterConfig(node=NodeConfig(gateway=gateway)).resolved()
+            nodes = ray_nodes.RayNodes(config, HeadStore(base / "head.duckdb"))
             await nodes.discover()
             if len(nodes.nodes) != n:  # a node whose actor did not start would make this a run of fewer nodes
                 raise RuntimeError(f"{len(nodes.nodes)} of {n} node actors started (the head's log says why)")
@@ -258,8 +260,7 @@ def union_bench(rows_per_node: list[int], tmp: Path) -> list[dict[str, Any]]:
     """Snapshot cost and one union query over 3 stores, each filled with `rows` exchange rows through Store."""
     import random
 
-    from polar_mitm.rollout.cluster_store import UnionStore, pull_snapshot, read_range, snapshot_dir, snapshot_store
-    from polar_mitm.store import Store, now
+    from polar_mitm.store import Store, UnionStore, now, pull_snapshot, read_range
 
     out = []
     for rows in rows_per_node:
@@ -275,7 +276,7 @@ def union_bench(rows_per_node: list[int], tmp: Path) -> list[dict[str, Any]]:
             loop.close()
             stores.append(store)
         started = time.perf_counter()
-        snaps = [snapshot_store(s.con, s.path, f"n{k}", snapshot_dir(s.path)) for k, s in enumerate(stores)]
+        snaps = [s.snapshot(f"n{k}") for k, s in enumerate(stores)]
         snapshot_s = time.perf_counter() - started
         union = UnionStore(snaps)
         started = time.perf_counter()
@@ -297,7 +298,7 @@ def union_bench(rows_per_node: list[int], tmp: Path) -> list[dict[str, Any]]:
         loop.run_until_complete(store.commit_exchange({**row, "exchange_id": f"0-{rows}", "started_at": now(), "ended_at": now()}))
         loop.close()
         started = time.perf_counter()
-        refresh = asyncio.run(pull_snapshot(snapshot_store(store.con, store.path, "n0", snapshot_dir(store.path)), mirror, read, "pull"))
+        refresh = asyncio.run(pull_snapshot(store.snapshot("n0"), mirror, read, "pull"))
         pull_refresh_s = time.perf_counter() - started
         for store in stores:
             store.close()

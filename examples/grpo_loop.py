@@ -1,15 +1,20 @@
 """A closed GRPO loop on one CPU machine: rollouts through the polar-mitm gateway, assembly, a PyTorch policy-
 gradient step on a LoRA of SmolLM2-135M-Instruct, weight sync into the running vLLM engine, resume with the next
 policy version. Runs in the trainer's environment (Python >= 3.11 with torch, transformers, peft, openai,
-matplotlib; here the local engine's venv); it reaches polar-mitm only through `polar_mitm.client` (HTTP +
-Parquet) and the `polar-mitm assemble` command.
+matplotlib; here the local engine's venv, which `polar-mitm engine build --model smollm2 --with-trainer`
+equips); it reaches polar-mitm only through `polar_mitm.client` (HTTP + Parquet) and the `polar-mitm assemble`
+command. From any folder (its files land there; REPO is this checkout), as docs/training.md prints them:
 
+    polar-mitm engine build --model smollm2 --with-trainer
     polar-mitm engine start --model smollm2 --port 8012 --lora-rank 8
     polar-mitm gateway --port 8090 --upstream http://127.0.0.1:8012/v1 --db grpo.duckdb --confdir grpo-conf
-    ENGINE_PY=~/.cache/polar-mitm/engine-venv/bin/python
-    PYTHONPATH=. $ENGINE_PY examples/grpo_loop.py --gateway http://127.0.0.1:8090 --confdir grpo-conf \
-        --db grpo.duckdb --engine http://127.0.0.1:8012/v1 --model-dir ~/.cache/polar-mitm/models/smollm2 \
-        --steps 12 --out grpo-run --polar-mitm ".venv/bin/polar-mitm"
+    ~/.cache/polar-mitm/engine-venv/bin/python $REPO/examples/grpo_loop.py --gateway http://127.0.0.1:8090 \\
+        --confdir grpo-conf --db grpo.duckdb --engine http://127.0.0.1:8012/v1 --out grpo-run --steps 2
+
+(the gateway in a terminal of its own). Before the first rollout the loop serves its untrained LoRA (B = 0: the
+trainer's starting weights) as the run's first policy version, so a gateway left serving an earlier run's adapter
+does not sample this run's step 0; and it stops (exit 1) when a step's train/inference mismatch passes
+--max-mismatch: the engine then did not sample with the trainer's weights.
 
 The task: "What color is X? Answer with one lowercase word and nothing else." Reward (verifiable): 1 if the
 expected colour is among the words of the reply, +1 if the reply is exactly that word. The base model names the
@@ -21,21 +26,31 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
+import os
 import re
 import shlex
+import shutil
 import sys
 import time
 import uuid
 from pathlib import Path
 
-import httpx
-import numpy as np
-import openai
-import torch
-from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM
+CHECKOUT = Path(__file__).resolve().parents[1]
+if (CHECKOUT / "polar_mitm").is_dir():
+    sys.path.insert(0, str(CHECKOUT))  # this example's own polar_mitm, without PYTHONPATH (so from any folder)
+# The trainer's Python settings are not those of the `polar-mitm assemble` child (another venv, another Python):
+# a PYTHONPATH into this environment makes that child import this venv's compiled modules.
+for variable in ("PYTHONPATH", "PYTHONHOME"):
+    os.environ.pop(variable, None)
 
-from polar_mitm.client import (
+import httpx  # noqa: E402
+import numpy as np  # noqa: E402
+import openai  # noqa: E402
+import torch  # noqa: E402
+from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from polar_mitm.client import (  # noqa: E402
     GatewayControl,
     assemble,
     load_batch,
@@ -43,8 +58,9 @@ from polar_mitm.client import (
     session_proxy_url,
     write_rewards_csv,
 )
-from polar_mitm.grpo import grpo_loss, token_logprobs
-from polar_mitm.weight_sync import VLLMLoraEngine, sync_lora
+from polar_mitm.errors import PolarError  # noqa: E402
+from polar_mitm.grpo import grpo_loss, token_logprobs  # noqa: E402
+from polar_mitm.weight_sync import VLLMLoraEngine, sync_lora  # noqa: E402
 
 TASKS = [
     ("the sky on a clear day", "blue"),
@@ -99,15 +115,46 @@ def probe_logprobs(engine_url: str, model: str) -> list[float]:
     return [item["logprob"] for item in reply["choices"][0]["logprobs"]["content"]]
 
 
+def polar_mitm_command(given: str | None) -> list[str]:
+    """How to run `polar-mitm` (for assemble): as given, else this checkout's venv, else the one on PATH."""
+    if given:
+        return shlex.split(given)
+    for candidate in (CHECKOUT / ".venv" / "bin" / "polar-mitm", shutil.which("polar-mitm")):
+        if candidate and Path(candidate).exists():
+            return [str(candidate)]
+    raise SystemExit(f"grpo_loop: no polar-mitm command ({CHECKOUT / '.venv/bin/polar-mitm'} missing, none on PATH); pass --polar-mitm")
+
+
+def serve_starting_weights(gateway: GatewayControl, engine: VLLMLoraEngine, model: PeftModel, adapter_dir: Path, prefix: str) -> tuple[int, str]:
+    """Serve the untrained LoRA (B = 0, so the base weights the trainer starts from) as this run's first policy
+    version; returns (version, adapter name). A fresh gateway (no engine model set) keeps its version; one left
+    serving another model (an earlier run's adapter) moves on to the next version, whose rows then hold this run's
+    weights only. Every request of the run goes through an adapter: on vLLM CPU a base-model request batched with
+    LoRA requests is served by whichever adapter sits in the last slot (docs/training.md)."""
+    status = gateway.status()
+    current, version = status["engine_model"], status["policy_version"] + (status["engine_model"] is not None)
+    if current is not None:
+        print(f"the gateway serves {current!r} at policy version {status['policy_version']}, not the trainer's starting weights: "
+              f"serving this run's untrained adapter as version {version}", flush=True)
+    # an earlier run's adapters under this prefix would block this run's names (vLLM refuses a loaded name)
+    for name in [name for name in engine.served() if name.startswith(prefix) and name != current]:
+        print(f"unloading {name!r}, left in the engine by an earlier run", flush=True)
+        engine.unload(name)
+    model.save_pretrained(adapter_dir / f"v{version}")
+    previous = current if current is not None and current.startswith(prefix) else None
+    report = sync_lora([gateway], engine, adapter_dir / f"v{version}", version, name_prefix=prefix, previous=previous)
+    return report.policy_version, report.engine_model or f"{prefix}{version}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gateway", required=True, help="the gateway's URL (proxy and /control/*)")
     parser.add_argument("--confdir", required=True, help="the gateway's confdir (CA, session secret)")
     parser.add_argument("--db", required=True, help="the gateway's store")
     parser.add_argument("--engine", required=True, help="the vLLM engine's OpenAI base URL, started with --lora-rank")
-    parser.add_argument("--model-dir", required=True, help="the Hugging Face model directory the engine serves")
+    parser.add_argument("--model-dir", default=None, help="the Hugging Face model directory the engine serves (default: $POLAR_MITM_HOME/models/smollm2)")
     parser.add_argument("--out", required=True, help="directory for adapters, Parquet, metrics.jsonl and the plot")
-    parser.add_argument("--polar-mitm", default="polar-mitm", help="how to run the polar-mitm command (for assemble)")
+    parser.add_argument("--polar-mitm", default=None, help="how to run the polar-mitm command, for assemble (default: this checkout's .venv/bin/polar-mitm, else PATH's)")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--prompts", type=int, default=3, help="GRPO groups per step")
     parser.add_argument("--samples", type=int, default=4, help="samples per group")
@@ -116,22 +163,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--lora-rank", type=int, default=8)
     parser.add_argument("--adapter-prefix", default="policy-v", help="adapters are served as PREFIX<version>")
+    # measured (docs/training.md): 0.02-0.064 per step when the engine samples with the trainer's weights; 0.76 when
+    # it sampled with another run's adapter
+    parser.add_argument("--max-mismatch", type=float, default=0.1, help="stop when a step's mean |Δ logprob| (trainer vs engine) passes this")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (on a shared 2-core machine 1 is several times faster than 2)")
     args = parser.parse_args(argv)
+    command = polar_mitm_command(args.polar_mitm)
+    model_dir = Path(args.model_dir or Path(os.environ.get("POLAR_MITM_HOME") or "~/.cache/polar-mitm").expanduser() / "models" / "smollm2")
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     (out / "adapters").mkdir(parents=True, exist_ok=True)
+    (out / "metrics.jsonl").write_text("")  # this run's steps only (an --out used before keeps its adapters)
     run = uuid.uuid4().hex[:6]
 
-    base = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model = get_peft_model(base, LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, target_modules=LORA_TARGETS, lora_dropout=0.0))
     optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=args.lr)
     gateway = GatewayControl(args.gateway)
     engine = VLLMLoraEngine(args.engine)
-    status = gateway.status()
-    version, served = status["policy_version"], status["engine_model"] or "smollm2"
+    version, served = serve_starting_weights(gateway, engine, model, out / "adapters", args.adapter_prefix)
+    first_version = version
     probe_before = probe_logprobs(args.engine, served)
     metrics = []
     for step in range(args.steps):
@@ -142,17 +195,22 @@ def main(argv: list[str] | None = None) -> int:
 
         mark = time.monotonic()
         csv = write_rewards_csv(out / f"rewards-{step}.csv", rewards, groups)
-        parquet = assemble(args.db, out / f"step-{step}.parquet", csv, builder="per_request", command=shlex.split(args.polar_mitm))
+        parquet = assemble(args.db, out / f"step-{step}.parquet", csv, builder="per_request", command=command)
         batch = load_batch(parquet, sessions=rewards)
         times["assemble"] = time.monotonic() - mark
         versions = {v for v in batch.extra["min_policy_version"]} | {v for v in batch.extra["max_policy_version"]}
         if versions != {version}:
-            raise SystemExit(f"step {step}: rows carry policy versions {versions}, expected only {version}")
+            raise SystemExit(f"grpo_loop: step {step}: rows carry policy versions {versions}, expected only {version} (another trainer syncs this gateway?)")
 
         mark = time.monotonic()
         tensors = batch.to_torch()
         logprobs = token_logprobs(model, tensors["input_ids"], tensors["attention_mask"])
         mismatch = logprob_mismatch(batch, logprobs.detach().numpy())
+        if mismatch["mean_abs"] > args.max_mismatch:
+            raise SystemExit(
+                f"grpo_loop: step {step}: train/inference mismatch mean |Δ logprob| {mismatch['mean_abs']:.3f} (max {mismatch['max_abs']:.2f}) "
+                f"passes --max-mismatch {args.max_mismatch}: the engine did not sample version {version} ({served}) with the trainer's weights; stopped before the update"
+            )
         loss, stats = grpo_loss(logprobs, tensors["rollout_logprobs"], tensors["advantages"], tensors["loss_mask"])
         optimizer.zero_grad()
         loss.backward()
@@ -160,9 +218,10 @@ def main(argv: list[str] | None = None) -> int:
         times["train"] = time.monotonic() - mark
 
         mark = time.monotonic()
+        sampled = version
         adapter = out / "adapters" / f"v{version + 1}"
         model.save_pretrained(adapter)
-        report = sync_lora([gateway], engine, adapter, version + 1, name_prefix=args.adapter_prefix, previous=served if served.startswith(args.adapter_prefix) else None)
+        report = sync_lora([gateway], engine, adapter, version + 1, name_prefix=args.adapter_prefix, previous=served)
         version, served = report.policy_version, report.engine_model or served
         times["sync"] = time.monotonic() - mark
 
@@ -171,20 +230,20 @@ def main(argv: list[str] | None = None) -> int:
         for session_id, value in rewards.items():
             by_group.setdefault(groups[session_id], []).append(value)
         row = {
-            "step": step, "policy_version_sampled": version - 1, "samples": n, "reward_mean": float(values.mean()), "reward_std": float(values.std(ddof=1)),
+            "step": step, "policy_version_sampled": sampled, "samples": n, "reward_mean": float(values.mean()), "reward_std": float(values.std(ddof=1)),
             "exact_rate": float((values == 2).mean()), "groups_with_signal": sum(len(set(v)) > 1 for v in by_group.values()), "sampled_tokens": batch.sampled_tokens, "loss": float(loss.detach()), **stats,
             "mismatch": mismatch, "seconds": {k: round(v, 2) for k, v in times.items()}, "sync_seconds": {k: round(v, 3) for k, v in report.seconds.items()},
         }
         metrics.append(row)
         (out / "metrics.jsonl").open("a").write(json.dumps(row) + "\n")
         print(
-            f"step {step:2d} v{version - 1}: reward {row['reward_mean']:.2f}±{row['reward_std']:.2f} exact {row['exact_rate']:.2f} "
+            f"step {step:2d} v{sampled}: reward {row['reward_mean']:.2f}±{row['reward_std']:.2f} exact {row['exact_rate']:.2f} "
             f"tokens {row['sampled_tokens']:4d} | mismatch mean|Δ| {mismatch['mean_abs']:.4f} max|Δ| {mismatch['max_abs']:.4f} kl {mismatch['kl']:.2e} | "
             + " ".join(f"{k} {v:.1f}s" for k, v in times.items()),
             flush=True,
         )
     probe_after = probe_logprobs(args.engine, served)
-    summary = {"steps": args.steps, "final_version": version, "served": served, "probe_before": probe_before, "probe_after": probe_after,
+    summary = {"steps": args.steps, "first_version": first_version, "final_version": version, "served": served, "probe_before": probe_before, "probe_after": probe_after,
                "probe_max_abs_change": float(np.max(np.abs(np.array(probe_after[: len(probe_before)]) - np.array(probe_before[: len(probe_after)]))))}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     plot(metrics, out / "grpo_loop.png")
@@ -218,4 +277,7 @@ def plot(metrics: list[dict], path: Path) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except (PolarError, httpx.HTTPError, openai.APIError) as error:  # a gateway, engine or assemble failure: one line
+        sys.exit(f"grpo_loop: {error}")

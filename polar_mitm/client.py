@@ -17,6 +17,8 @@ It talks to polar-mitm over HTTP and reads its Parquet files; nothing of the ser
     result = rollouts.wait(task["task_id"])
     batch = load_batch(result["trajectories"])      # numpy arrays, right-padded
     batch.to_torch()["input_ids"]
+
+`AsyncRolloutClient` and `AsyncGatewayControl` are the same clients for an event loop (`await rollouts.wait(...)`).
 """
 
 from __future__ import annotations
@@ -24,121 +26,24 @@ from __future__ import annotations
 import csv
 import os
 import subprocess
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-import httpx
 import numpy as np
 import pyarrow.parquet as pq
 
 from polar_mitm import session
-from polar_mitm.errors import ClientError, ControlError
 
-__all__ = ["GatewayControl", "RolloutClient", "TrajectoryBatch", "load_batch", "logprob_mismatch", "session_proxy_url", "write_rewards_csv", "assemble"]
+# the HTTP clients live in one module, sync and async on one base; the trainer imports them from here
+from polar_mitm.api_clients import AsyncGatewayControl, AsyncRolloutClient, GatewayControl, RolloutClient
+from polar_mitm.errors import ClientError
 
-
-def _raise_for(response: httpx.Response, what: str) -> dict[str, Any]:
-    try:
-        body = response.json()
-    except ValueError:
-        body = {"error": {"type": "not_json", "message": response.text[:500]}}
-    if response.status_code >= 400:
-        error = body.get("error") if isinstance(body, dict) else None
-        if isinstance(error, dict):
-            raise ControlError(response.status_code, str(error.get("type")), f"{what}: {error.get('message')}")
-        raise ControlError(response.status_code, "http_error", f"{what}: HTTP {response.status_code}: {body}")
-    return body
-
-
-class GatewayControl:
-    """Pause, resume and inspect one gateway (its `/control/*` endpoints).
-
-    `url` is the gateway's own address (the proxy URL, e.g. http://127.0.0.1:8080). Errors raise
-    `polar_mitm.errors.ControlError` with the HTTP status: 409 pause twice / resume without pause / a version
-    that goes backwards, 404 an engine model the engine does not serve, 504 a drain that timed out (the gateway
-    then keeps serving), 401/403 a missing or wrong token.
-    """
-
-    def __init__(self, url: str, token: str | None = None, timeout: float = 30.0):
-        self.url = url.rstrip("/")
-        # the gateway is a proxy; never send its own control calls through some other proxy from the environment
-        self.http = httpx.Client(timeout=timeout, trust_env=False, headers={"authorization": f"Bearer {token}"} if token else {})
-        self.timeout = timeout
-
-    def status(self) -> dict[str, Any]:
-        """The control status: state, paused, in_flight, waiting, policy_version, engine_model, pause_mode, etc."""
-        return self._call("GET", "/control/status")
-
-    def pause(self, mode: Literal["drain", "abort"] = "drain", timeout_seconds: float = 300.0) -> dict[str, Any]:
-        """Stop new engine calls. drain: returns once nothing is in flight (504 after timeout_seconds, and the
-        gateway keeps serving); abort: in-flight calls are cancelled now and issued again after resume."""
-        return self._call("POST", "/control/pause", {"mode": mode, "timeout_seconds": timeout_seconds}, timeout=timeout_seconds + self.timeout)
-
-    def resume(self, policy_version: int | None = None, engine_model: str | None = None) -> dict[str, Any]:
-        """Serve again, stamping `policy_version` on every engine call from now on, optionally from another engine
-        model (e.g. a LoRA adapter just loaded into the engine)."""
-        body: dict[str, Any] = {}
-        if policy_version is not None:
-            body["policy_version"] = policy_version
-        if engine_model is not None:
-            body["engine_model"] = engine_model
-        return self._call("POST", "/control/resume", body)
-
-    def _call(self, method: str, path: str, body: dict[str, Any] | None = None, timeout: float | None = None) -> dict[str, Any]:
-        try:
-            response = self.http.request(method, self.url + path, json=body, timeout=timeout or self.timeout)
-        except httpx.HTTPError as error:
-            raise ClientError(f"gateway {self.url} unreachable: {error!r}") from error
-        return _raise_for(response, f"{method} {path}")
-
-    def close(self) -> None:
-        self.http.close()
-
-
-class RolloutClient:
-    """Submit a group (a TaskRequest) to the rollout server, await its SessionResults, fetch its trajectories."""
-
-    def __init__(self, url: str, timeout: float = 30.0):
-        self.url = url.rstrip("/")
-        self.http = httpx.Client(timeout=timeout, trust_env=False)
-
-    def submit(self, task: Mapping[str, Any]) -> dict[str, Any]:
-        """POST /tasks; returns {task_id, session_ids, status_url}. Put the policy version the group is submitted
-        under in `metadata.policy_version`: it is kept with the task and its sessions."""
-        return self._json("POST", "/tasks", dict(task))
-
-    def task(self, task_id: str) -> dict[str, Any]:
-        """The TaskResult so far: status, counts, sessions (SessionResults), trajectories (a Parquet path once done)."""
-        return self._json("GET", f"/tasks/{task_id}")
-
-    def wait(self, task_id: str, timeout: float = 3600.0, poll_seconds: float = 1.0) -> dict[str, Any]:
-        """Poll until the task is no longer running; returns its TaskResult."""
-        deadline = time.monotonic() + timeout
-        while True:
-            result = self.task(task_id)
-            if result["status"] != "running":
-                return result
-            if time.monotonic() > deadline:
-                raise ClientError(f"task {task_id} still running after {timeout:g}s")
-            time.sleep(poll_seconds)
-
-    def control(self, action: Literal["pause", "resume", "status"], **body: Any) -> dict[str, Any]:
-        """The same control call on every gateway node this server owns: {"nodes": {gateway_url: status}}."""
-        method = "GET" if action == "status" else "POST"
-        return self._json(method, f"/control/{action}", body if method == "POST" else None)
-
-    def _json(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
-        try:
-            response = self.http.request(method, self.url + path, json=body)
-        except httpx.HTTPError as error:
-            raise ClientError(f"rollout server {self.url} unreachable: {error!r}") from error
-        return _raise_for(response, f"{method} {path}")
-
-    def close(self) -> None:
-        self.http.close()
+__all__ = [
+    "AsyncGatewayControl", "AsyncRolloutClient", "GatewayControl", "RolloutClient", "TrajectoryBatch", "load_batch",
+    "logprob_mismatch", "session_proxy_url", "write_rewards_csv", "assemble",
+]
 
 
 @dataclass

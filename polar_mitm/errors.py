@@ -13,8 +13,9 @@ built-in (`RuntimeError`, `ValueError`) still do, so callers written against tho
     ├── HarnessNotInstalled    a harness binary is missing
     ├── RunError               `polar-mitm run` cannot reach or trust its gateway
     ├── ClientError            a CLI client cannot reach or use its server
+    │   ├── ServerRefused      a polar-mitm server answered >= 400 (also a ControlError), with its message
     │   └── WeightSyncError    an engine refused or failed a weight-sync call (vLLM LoRA load, SGLang reload)
-    ├── RolloutError           the rollout server: RequestRejected, TaskConflict, EvaluatorError, DockerUnavailable
+    ├── RolloutError           the rollout server: RequestRejected, TaskConflict, BackendStartError, EvaluatorError, ...
     └── ControlError           a gateway control call (pause/resume) refused, with its HTTP status
 """
 
@@ -123,6 +124,11 @@ class RequestRejected(RolloutError, ValueError):
         self.loc = loc
 
 
+class BackendStartError(RolloutError, RuntimeError):
+    """The rollout server's backend (its gateway node, or its Ray cluster) cannot start; one line that says why
+    and what to do. Nothing was served and nothing is left behind."""
+
+
 class GatewayStartError(RolloutError, RuntimeError):
     """A node's in-process gateway exited while starting; the message says why (mitmproxy's startup errors)."""
 
@@ -160,3 +166,15 @@ class ControlError(PolarError):
         self.status = status
         self.kind = kind
         self.message = message
+
+
+class ServerRefused(ClientError, ControlError):
+    """A polar-mitm server (a gateway's /control/*, the rollout server) answered an HTTP error: `status`, `kind`
+    (the error's type, else named after the status), `message` ("METHOD path: HTTP status: ..."), `server_message`
+    (the server's own words), `body` (its parsed answer). Also a ControlError: the clients raised that for every
+    refusal before they had their own class, and callers catch it."""
+
+    def __init__(self, status: int, kind: str, message: str, server_message: str, body: Any = None):
+        super().__init__(status, kind, message)
+        self.server_message = server_message
+        self.body = body

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from polar_mitm.errors import DialectError, EngineError
 
-__all__ = ["Completion", "DialectError", "EngineError", "Notes", "ParsedRequest", "StreamState", "ToolCall"]
+__all__ = ["Completion", "DialectError", "EngineError", "EngineRecord", "Notes", "ParsedRequest", "StreamState", "ToolCall"]
 
 
 @dataclass
@@ -80,6 +81,29 @@ class Completion:
     completion_tokens: int
     # the stop string that ended the sample (vLLM's `stop_reason` when it is a string), if one did
     stop_sequence: str | None = None
+
+
+@dataclass
+class EngineRecord:
+    """What the engine side of one exchange puts on its row, filled in as the call goes.
+
+    The gateway makes one per exchange and hands it to the engine call (chat mode in the addon, tokens mode in
+    `render/serve.py`), which returns it; a call that fails or is cancelled raises instead, and the record keeps
+    how far it got (the request sent, when it started). Either way the gateway writes it to the row in one
+    place (`gateway/outcome.py` `settle`). None: not reached, the column stays as it was (NULL).
+    """
+
+    engine_request: Any = None  # as sent (often a WireJSON: the store keeps its exact text)
+    engine_response: Any = None  # the raw reply
+    completion: Completion | None = None  # token ids, logprobs, finish reason and counts go on the row from here
+    policy_version: int | None = None
+    model_engine: str | None = None
+    engine_started_at: datetime | None = None
+    engine_ended_at: datetime | None = None
+    render_mode: str | None = None  # "chat" (the engine renders) or "tokens" (the gateway does)
+    bridged: bool | None = None
+    bridge_reason: str | None = None
+    output_parse_error: str | None = None
 
 
 @dataclass

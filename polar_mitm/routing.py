@@ -5,16 +5,21 @@ for loopback, and a CA bundle (the gateway's mitmproxy CA + the system CAs) in e
 (SSL_CERT_FILE, NODE_EXTRA_CA_CERTS, REQUESTS_CA_BUNDLE, CURL_CA_BUNDLE, CODEX_CA_CERTIFICATE), overriding
 any already set. Model base URLs are left alone: requests go to the provider's own host, through the proxy.
 Which gateway: `find_gateway()` (explicit, $POLAR_MITM_GATEWAY, the live gateways listed in their confdir's
-GATEWAY_FILE, else the default port). Used by `polar-mitm run`, the rollout runtimes and the gateway (GATEWAY_FILE).
+GATEWAY_FILE, else the default port). A rollout server's own gateway nodes list themselves there too, marked
+`node` (their stores are the rollout server's): default discovery leaves them out. Used by `polar-mitm run` and
+`polar-mitm control`, the rollout runtimes and the gateway (GATEWAY_FILE).
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import os
+import shutil
 import ssl
+import subprocess
 import tempfile
 import time
 from collections.abc import Iterator, Mapping
@@ -23,18 +28,25 @@ from urllib.parse import urlsplit
 
 from polar_mitm import session as sessions
 from polar_mitm.errors import RunError
-from polar_mitm.gateway.options import DEFAULT_CONFDIR
-from polar_mitm.store.client import pid_alive
+from polar_mitm.session import DEFAULT_CONFDIR
+from polar_mitm.store.by_path import pid_alive
 
 DEFAULT_GATEWAY = "http://127.0.0.1:8080"
 # each running gateway lists itself here, so that `polar-mitm run` needs no --gateway:
-# {"gateways": {URL: {"pid", "db", "started_at"}}, "url": the newest one's URL (what older readers took)}
+# {"gateways": {URL: {"pid", "db", "started_at"[, "node": true]}}, "url": the newest user gateway's URL (what older
+# readers took)}; "node": a rollout server's gateway node, never picked without --gateway
 GATEWAY_FILE = "polar-gateway.json"
 CA_FILE = "mitmproxy-ca-cert.pem"
 BUNDLE_FILE = "polar-mitm-ca-bundle.pem"
 CA_VARIABLES = ("SSL_CERT_FILE", "NODE_EXTRA_CA_CERTS", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "CODEX_CA_CERTIFICATE")
 PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy")
 LOOPBACK = "localhost,127.0.0.1,::1"
+# Node's fetch() through HTTPS_PROXY (NODE_USE_ENV_PROXY, and undici's EnvHttpProxyAgent that harnesses bundle) warns
+# "[UNDICI-EHPA] EnvHttpProxyAgent is experimental" 1-3 times per run; only that warning is turned off (by its code)
+QUIET_PROXY_WARNING = "--disable-warning=UNDICI-EHPA"
+# Node major -> the first minor release of it that accepts --disable-warning (22 and later all do); an older Node
+# refuses to start with an option it does not know in NODE_OPTIONS
+DISABLE_WARNING_SINCE = {20: 11, 21: 3}
 SYSTEM_BUNDLES = (
     "/etc/ssl/certs/ca-certificates.crt",  # Debian, Ubuntu, Alpine
     "/etc/pki/tls/certs/ca-bundle.crt",  # Fedora, RHEL
@@ -49,31 +61,41 @@ def gateway_url(confdir: str | Path, explicit: str | None = None) -> str:
 
 
 def find_gateway(confdir: str | Path, explicit: str | None = None) -> tuple[str, str]:
-    """(the gateway URL, where it came from), as `gateway_url()` picks it."""
+    """(the gateway URL, where it came from), as `gateway_url()` picks it. A rollout server's gateway nodes listed
+    in the confdir are never picked (their stores are the rollout server's); the reason names them."""
     if explicit:
         return explicit, "--gateway"
     if env := os.environ.get("POLAR_MITM_GATEWAY"):
         return env, "$POLAR_MITM_GATEWAY"
     marker = Path(confdir).expanduser() / GATEWAY_FILE
     live = live_gateways(confdir)
-    if not live:
-        return DEFAULT_GATEWAY, f"the default (no live gateway listed in {marker})"
-    newest = max(live, key=lambda url: live[url].get("started_at", 0))
-    others = f"; also live there: {', '.join(sorted(set(live) - {newest}))}" if len(live) > 1 else ""
-    return newest, f"the newest live gateway in {marker} (pid {live[newest].get('pid')}, store {live[newest].get('db')}){others}"
+    nodes = sorted(url for url, entry in live.items() if entry.get("node"))
+    left_out = f"; left out: rollout server gateway node{'s' if len(nodes) > 1 else ''} {', '.join(nodes)} (pass --gateway to use one)" if nodes else ""
+    users = {url: entry for url, entry in live.items() if not entry.get("node")}
+    if not users:
+        return DEFAULT_GATEWAY, f"the default (no live gateway listed in {marker}){left_out}"
+    newest = _newest(users)
+    others = f"; also live there: {', '.join(sorted(set(users) - {newest}))}" if len(users) > 1 else ""
+    return newest, f"the newest live gateway in {marker} (pid {users[newest].get('pid')}, store {users[newest].get('db')}){others}{left_out}"
+
+
+def _newest(gateways: dict[str, dict]) -> str:
+    return max(gateways, key=lambda url: gateways[url].get("started_at", 0))
 
 
 def live_gateways(confdir: str | Path) -> dict[str, dict]:
-    """The gateways listed in the confdir's GATEWAY_FILE whose process is alive: URL -> {pid, db, started_at}."""
+    """The gateways listed in the confdir's GATEWAY_FILE whose process is alive: URL -> {pid, db, started_at, and
+    node: true for a rollout server's gateway node}."""
     return _live_gateways(_read_gateways(Path(confdir).expanduser() / GATEWAY_FILE))
 
 
-def announce_gateway(confdir: str | Path, url: str, db: Path) -> Path:
-    """List a running gateway (this process) in its confdir's GATEWAY_FILE, beside the other live ones."""
+def announce_gateway(confdir: str | Path, url: str, db: Path, node: bool = False) -> Path:
+    """List a running gateway (this process) in its confdir's GATEWAY_FILE, beside the other live ones. `node`: it
+    is a rollout server's gateway node, which `find_gateway()` leaves out (only --gateway reaches it)."""
     marker = Path(confdir).expanduser() / GATEWAY_FILE
     with _locked(marker):
         gateways = _live_gateways(_read_gateways(marker))
-        gateways[url] = {"pid": os.getpid(), "db": str(db), "started_at": time.time()}
+        gateways[url] = {"pid": os.getpid(), "db": str(db), "started_at": time.time(), **({"node": True} if node else {})}
         _write_gateways(marker, gateways)
     return marker
 
@@ -113,7 +135,9 @@ def _write_gateways(marker: Path, gateways: dict[str, dict]) -> None:
     if not gateways:
         marker.unlink(missing_ok=True)
         return
-    newest = max(gateways, key=lambda url: gateways[url].get("started_at", 0))
+    # "url" is what older readers take as the one gateway: a user gateway's while there is one
+    users = {url: entry for url, entry in gateways.items() if not entry.get("node")}
+    newest = _newest(users or gateways)
     with tempfile.NamedTemporaryFile("w", dir=marker.parent, prefix=".gateways-", delete=False) as tmp:
         json.dump({"url": newest, "gateways": gateways}, tmp)
     os.replace(tmp.name, marker)
@@ -218,4 +242,22 @@ def proxy_environment(session_id: str, confdir: str | Path = DEFAULT_CONFDIR, ga
     env.update({key: bundle for key in CA_VARIABLES})
     # Node's own fetch() ignores HTTPS_PROXY unless asked (Node >= 22.21 / 24)
     env["NODE_USE_ENV_PROXY"] = "1"
+    options = env.get("NODE_OPTIONS", "")
+    if QUIET_PROXY_WARNING not in options.split() and node_accepts_disable_warning(shutil.which("node", path=env.get("PATH"))):
+        env["NODE_OPTIONS"] = f"{options} {QUIET_PROXY_WARNING}".strip()
     return env
+
+
+@functools.cache
+def node_accepts_disable_warning(node: str | None) -> bool:
+    """Whether the `node` on the command's PATH starts with --disable-warning in NODE_OPTIONS (Node >= 20.11 or
+    21.3; an older one refuses to start with an option it does not know). No node there: True (a harness preset
+    puts its own Node >= 22 first on PATH)."""
+    if node is None:
+        return True
+    try:
+        done = subprocess.run([node, "--version"], capture_output=True, text=True, timeout=30)
+        major, minor = (int(part) for part in done.stdout.strip().lstrip("v").split(".")[:2])
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return False
+    return major > max(DISABLE_WARNING_SINCE) or minor >= DISABLE_WARNING_SINCE.get(major, 1 << 30)

@@ -15,6 +15,9 @@ import secrets
 from pathlib import Path
 
 DEFAULT_SESSION = "default"
+# the gateway's confdir (mitmproxy's): its CA, the session secret, the gateway file (routing.GATEWAY_FILE); here, at the
+# bottom of the layers, so that the gateway's options and the routing of its clients name the same default
+DEFAULT_CONFDIR = "~/.mitmproxy"
 SECRET_FILE = "polar-session-secret"
 
 # headers harnesses send that tie requests into conversations, sub-agents and retries
@@ -41,7 +44,21 @@ HARNESS_USER_AGENTS = (
     ("qwen-code", "qwen"),
     ("geminicli", "gemini"),
     ("gemini-cli", "gemini"),
+    # the PyPI agents: user agents their presets set where the client's own is a generic OpenAI/Python one
+    ("mini-swe-agent", "mini-swe-agent"),
+    ("aider", "aider"),
+    ("openhands", "openhands"),
+    ("hermes-agent", "hermes"),
+    ("gptme", "gptme"),
+    # the npm agents (docs/agents.md): their own user agents, or ones their presets set (Cline, Continue CLI)
+    ("opencode/", "opencode"),
+    ("kilo-code/", "kilo"),
+    ("kilo/", "kilo"),
+    ("cline/", "cline"),
+    ("continue-cli/", "continue-cli"),
 )
+# user agents told apart only by how they start (Pi's `pi/<version> (...)`: "pi/" inside would match "api/...")
+HARNESS_USER_AGENT_PREFIXES = (("pi/", "pi"),)
 
 
 def load_secret(confdir: str | Path) -> bytes:
@@ -88,5 +105,8 @@ def harness_from_user_agent(user_agent: str | None) -> str | None:
     lowered = (user_agent or "").lower().replace(" ", "")
     for needle, harness in HARNESS_USER_AGENTS:
         if needle in lowered:
+            return harness
+    for prefix, harness in HARNESS_USER_AGENT_PREFIXES:
+        if lowered.startswith(prefix):
             return harness
     return None

@@ -15,4 +15,8 @@ fi
 .venv/bin/python -m pip install -q -e '.[test,notebooks]'
 .venv/bin/polar-mitm engine build
 sandboxes/harnesses/install.sh
+sandboxes/agents-py/install.sh  # the PyPI coding agents (mini-swe-agent, Aider, OpenHands SDK, Hermes Agent, gptme, ...): a pinned venv each
+sandboxes/agents-frameworks/install.sh  # the agent frameworks of examples/agents/ (OpenAI Agents SDK, pydantic-ai, smolagents), a venv of their own
+# headless Chromium (Debian's package) for the dashboard's browser tests, tests/integration/test_ui.py (as root: CI)
+command -v chromium >/dev/null || { [ "$(id -u)" = 0 ] && apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; } || echo "setup: no chromium (apt-get install chromium, as root): the dashboard's browser tests will skip"
 echo "setup: done"

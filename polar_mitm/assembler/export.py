@@ -13,7 +13,7 @@ Writing the table. DuckDB lets one process write a file. The Parquet file is alw
   - no process holds the store: `polar-mitm assemble` opens it and loads the rows into `trajectories`
     (rows of the same builder and sessions are replaced);
   - a gateway holds it: the gateway loads the Parquet file through its writer (its control endpoint,
-    `polar_mitm.store.client.load_trajectories`), so `breaks`, `breaks_by_class` work while it runs;
+    `polar_mitm.store.by_path.load_trajectories`), so `breaks`, `breaks_by_class` work while it runs;
   - in-process (the rollout server passes its open `Store`): the same statements go through
     `Store.load_trajectories`, serialised with the gateway's exchange commits;
   - another process holds it without an endpoint: the Parquet file is the result (its absolute path printed).
@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 
 from polar_mitm.assembler.records import Sequence
 from polar_mitm.store import Store, connect, views
-from polar_mitm.store.client import load_trajectories
+from polar_mitm.store.by_path import load_trajectories
 from polar_mitm.store.schema import TRAJECTORIES as TABLE
 from polar_mitm.store.schema import TRAJECTORIES_SCHEMA as SCHEMA
 from polar_mitm.store.schema import trajectory_statements

@@ -71,6 +71,12 @@ def group_advantages(rewards: list[float]) -> tuple[float | None, float | None, 
     return mean, std, False, [(r - mean) / (std + EPSILON) for r in rewards]
 
 
+def task_of(session_id: str, info: SessionInfo | None, csv_rewards: dict[str, CsvReward] | None = None) -> str | None:
+    """The session's task: the CSV's task_id, else the store's (None: the session is a group of its own)."""
+    from_csv = (csv_rewards or {}).get(session_id)
+    return (from_csv.task_id if from_csv else None) or (info.task_id if info else None)
+
+
 @dataclass
 class SessionScore:
     group_id: str
@@ -89,14 +95,15 @@ def score_sessions(
     csv_rewards: dict[str, CsvReward] | None = None,
     include_incomplete: bool = False,
 ) -> tuple[dict[str, SessionScore], list[GroupStats]]:
-    """Reward, group and advantage of every session, before any sequence is built."""
+    """Reward, group and advantage of every session, before any sequence is built. A group's advantages are
+    over the sessions of it that are in `session_ids`: give every member of a group whose advantages you need."""
     csv_rewards = csv_rewards or {}
     scores: dict[str, SessionScore] = {}
     for session_id in session_ids:
         info = sessions.get(session_id) or SessionInfo(session_id, None, None, None, None)
         from_csv = csv_rewards.get(session_id)
         reward = from_csv.reward if from_csv else info.reward
-        task_id = (from_csv.task_id if from_csv else None) or info.task_id
+        task_id = task_of(session_id, info, csv_rewards)
         group = task_id or f"session:{session_id}"
         if is_completed(info.status):
             score = SessionScore(group, task_id, reward, True)

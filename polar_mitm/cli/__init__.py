@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import sys
 
@@ -24,6 +25,7 @@ COMMAND_MODULES = [
     "polar_mitm.cli.rollout",
     "polar_mitm.cli.notebook",
     "polar_mitm.cli.control",
+    "polar_mitm.cli.ui",
 ]
 
 
@@ -39,7 +41,19 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if argv is None and getattr(args, "hosts_proxy", False):
         _run_optimized()
-    return int(args.func(args) or 0)
+    logging.getLogger("transformers").addFilter(_no_torch_notice)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        # a command with more to say about an interrupt (rollout) says it itself; the rest stop without a traceback
+        print(f"polar-mitm {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _no_torch_notice(record: logging.LogRecord) -> bool:
+    """transformers' import-time notice that PyTorch is missing: polar-mitm uses only its tokenizers and chat templates
+    (tokens mode renders prompts), never its models, so every tokens-mode start would print it for nothing."""
+    return not record.getMessage().startswith("PyTorch was not found")
 
 
 def _run_optimized() -> None:

@@ -66,10 +66,17 @@ def _assemble(args: argparse.Namespace) -> int:
         return 0
     width = max(len(k) for k in stats)
     for key, value in stats.items():
-        print(f"{key.ljust(width)}  {value}")
+        print(f"{key.ljust(width)}  {_shown(key, value, stats)}")
     if stats["breaks"]["unknown"]:
         print("breaks of kind 'unknown': no tokenizer was found for the engine's model; pass --tokenizer DIR to classify them")
     if parquet.exists():
         print(f"wrote {sink.rows} sequences to {parquet.resolve()}")
     print(outcome.message)
     return 0
+
+
+def _shown(key: str, value: object, stats: dict) -> object:
+    """A statistic as printed: the tokenizer is loaded only to classify a break, so None says why there is none."""
+    if key == "tokenizer" and value is None:
+        return "none needed (no break to classify)" if not any(stats["breaks"].values()) else "none found for the engine's model"
+    return value

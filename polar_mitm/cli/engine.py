@@ -24,7 +24,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         parser.set_defaults(func=func)
         return parser
 
-    add("build", run_build, "build the engine venv and a model (once; cached)", with_port=False)
+    built = add("build", run_build, "build the engine venv and a model (once; cached)", with_port=False)
+    built.add_argument("--with-trainer", action="store_true", help="also install what a trainer step needs into the engine venv (peft, pyarrow, matplotlib: examples/grpo_loop.py) and print its python")
     start = add("start", run_start, "start the engine (or reuse a live one) and print its base URL")
     start.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the engine to answer")
     start.add_argument("--foreground", action="store_true", help="stay attached; Ctrl-C stops the engine")
@@ -38,6 +39,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run_build(args: argparse.Namespace) -> int:
     engine = LocalEngine(model=args.model, home=args.home)
     print(engine.build())
+    if args.with_trainer:
+        print(build.ensure_trainer_packages(engine.home))
     return 0
 
 
@@ -67,7 +70,9 @@ def run_start(args: argparse.Namespace) -> int:
 
 def run_stop(args: argparse.Namespace) -> int:
     engine = LocalEngine(port=args.port, home=args.home)
-    engine.stop()
+    stopped = engine.stop()
+    # exit 0 either way: after `stop`, no engine runs on the port, which is what was asked
+    print(f"polar-mitm engine: {stopped.describe()}" if stopped else f"polar-mitm engine: no engine on port {args.port}; nothing to stop")
     return 0
 
 

@@ -13,12 +13,14 @@ With --harness, the harness preset is applied too (its env, config files in a pr
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -45,7 +47,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--gateway", help=f"gateway URL (default: $POLAR_MITM_GATEWAY, <confdir>/{GATEWAY_FILE}, else {DEFAULT_GATEWAY})")
     parser.add_argument("--session", help="session id the exchanges are recorded under (default: a new one)")
-    parser.add_argument("--harness", choices=["codex", "claude", "qwen", "gemini"], help="apply this harness's preset (env, config files in a private HOME)")
+    from polar_mitm.harnesses import NAMES as HARNESS_NAMES  # the registry: every preset, npm and PyPI
+
+    parser.add_argument("--harness", choices=HARNESS_NAMES, help="apply this harness's preset (env, config files in a private HOME)")
     parser.add_argument("--model", help="with --harness: the model name the harness asks for (default: the preset's)")
     parser.add_argument("--home", type=Path, help="with --harness: the HOME to prepare and keep (default: a temporary one, removed afterwards)")
     parser.add_argument("--confdir", default=DEFAULT_CONFDIR, help=f"the gateway's confdir: its CA and session secret (default {DEFAULT_CONFDIR})")
@@ -88,18 +92,116 @@ def _run(args: argparse.Namespace) -> int:
             shutil.rmtree(temporary_home, ignore_errors=True)
 
 
+# how long a harness's other processes get to finish (flush their session records) once its main process has exited
+# or been signalled, before the group is killed; the temporary HOME is removed only after that
+GROUP_GRACE_SECONDS = 10.0
+
+
 def _run_child(command: list[str], env: dict[str, str]) -> int:
+    """Run `command` in a process group of its own and return its exit status (128 + N for signal N). A signal to
+    this command (SIGINT, SIGTERM, SIGHUP) goes to the whole group: a harness that re-executes itself (Qwen Code's
+    launcher waits for its `node --expose-gc` child) ends whole, not just its launcher. Returns only once every
+    process of the group has exited (SIGKILL after GROUP_GRACE_SECONDS), so nothing still writes into the HOME the
+    caller removes next. On a terminal the group is made its foreground group: keys and Ctrl-C reach the harness."""
+    terminal = _foreground_terminal()
     try:
-        child = subprocess.Popen(command, env=env)
+        child = subprocess.Popen(command, env=env, process_group=0, preexec_fn=(lambda: _take_terminal(terminal)) if terminal is not None else None)
     except OSError as error:
         print(f"polar-mitm run: cannot start {command[0]!r}: {error}", file=sys.stderr)
         return 127
-    # pass termination on to the child and report its own exit status
-    forward = lambda signum, _frame: child.send_signal(signum)  # noqa: E731
+    forward = lambda signum, _frame: _signal_group(child.pid, signum)  # noqa: E731
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
-        code = child.wait()
+        child.returncode = code = _wait_for_exit(child.pid)
+        _wait_for_group(child.pid, GROUP_GRACE_SECONDS)
     finally:
+        _reclaim_terminal(child.pid)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 128 - code if code < 0 else code
+
+
+def _wait_for_exit(pid: int) -> int:
+    """The child's exit code (-N: signal N). When it is stopped (Ctrl-Z on the terminal reaches its group only), this
+    process stops too, so the shell sees its job stopped; continued (`fg`, `bg`), it continues the child, handing it
+    the terminal when this process holds it."""
+    while True:
+        _, status = os.waitpid(pid, os.WUNTRACED)
+        if not os.WIFSTOPPED(status):
+            return os.waitstatus_to_exitcode(status)
+        _reclaim_terminal(pid)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        if (terminal := _foreground_terminal()) is not None:
+            _hand_terminal(terminal, pid)
+        _signal_group(pid, signal.SIGCONT)
+
+
+def _foreground_terminal() -> int | None:
+    """The fd of our controlling terminal when our process group is its foreground group (an interactive shell
+    started us), else None (a pipe, a script, a background job)."""
+    return _terminal_held_by(os.getpgrp())
+
+
+def _terminal_held_by(pgid: int) -> int | None:
+    for fd in (0, 1, 2):
+        try:
+            if os.isatty(fd) and os.tcgetpgrp(fd) == pgid:
+                return fd
+        except OSError:
+            continue
+    return None
+
+
+def _reclaim_terminal(child_pgid: int) -> None:
+    """Take the terminal back from the child's group, if it holds it."""
+    if (terminal := _terminal_held_by(child_pgid)) is not None:
+        _hand_terminal(terminal, os.getpgrp())
+
+
+def _take_terminal(fd: int) -> None:
+    """In the child, before exec: its new group becomes the terminal's foreground group, as a shell does for a job."""
+    _hand_terminal(fd, os.getpgrp())
+
+
+def _hand_terminal(fd: int, pgid: int) -> None:
+    """Make `pgid` the terminal's foreground group. A background group doing so gets SIGTTOU, hence ignored for the
+    call (and restored: an ignored signal would stay ignored across exec)."""
+    previous = signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+    try:
+        os.tcsetpgrp(fd, pgid)
+    except OSError:  # the terminal is gone (hung up)
+        pass
+    finally:
+        signal.signal(signal.SIGTTOU, previous)
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except ProcessLookupError:
+        pass
+
+
+def _wait_for_group(pgid: int, grace: float) -> None:
+    """Until no process of group `pgid` is left: `grace` seconds, then SIGKILL to the group (and a moment for the
+    kernel to reap it)."""
+    deadline = time.monotonic() + grace
+    while _group_alive(pgid):
+        if time.monotonic() > deadline:
+            print(f"polar-mitm run: processes of the command still ran {grace:.0f}s after it ended; killed them", file=sys.stderr, flush=True)
+            _signal_group(pgid, signal.SIGKILL)
+            kill_deadline = time.monotonic() + 2.0
+            while _group_alive(pgid) and time.monotonic() < kill_deadline:
+                time.sleep(0.05)
+            return
+        time.sleep(0.05)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a member changed its user: still there
+        return True
+    return True

@@ -71,6 +71,11 @@ class TurnDiff:
     break_kind: str | None = None  # the assembler's class, when it diagnosed a break here
     break_detail: str | None = None
     assembler_note: str = ""
+    # what the assembler made of the next turn: merged (into `relation_seq`'s chain), break, retry (of
+    # `relation_seq`), new_lineage (a side call or sub-agent), or "" when it was not asked
+    relation: str = ""
+    relation_seq: int | None = None
+    parent_seq: int | None = None  # a bridged next turn: the latest turn whose prompt + sampled tokens its prompt starts with
     tokenizer: Any = None
 
     @property
@@ -224,6 +229,8 @@ def diff_turns(db: str | os.PathLike[str], session_id: str, turn: int, tokenizer
         raise LookupError(f"seq {turn} is the last trajectory exchange of session {session_id!r}: no next turn to diff against")
     before, after = turns[position], turns[position + 1]
     result = TurnDiff(session_id, before, after, diff_messages(before, after), common_prefix(before.tokens, after.prompt))
+    if after.bridged:  # tokens mode: which turn's exact tokens the gateway continued
+        result.parent_seq = before.seq if result.extends else next((t.seq for t in reversed(turns[:position]) if t.tokens and after.prompt[: len(t.tokens)] == t.tokens), None)
     result.tokenizer = load_tokenizer(tokenizer, before.model_engine)
     _explain(result, turns, assembly if assembly is not None else _assemble(db, session_id, result.tokenizer))
     return result
@@ -245,15 +252,19 @@ def _explain(result: TurnDiff, turns: list[Turn], assembly: Any) -> None:
         position = sequence.exchange_ids.index(after)
         if position > 0:
             previous = seq_of.get(sequence.exchange_ids[position - 1])
+            result.relation, result.relation_seq = "merged", previous
             result.assembler_note = f"the assembler merges seq {result.after.seq} after seq {previous} in sequence {sequence.sequence_id}"
         elif sequence.break_diagnosis is not None:
             diagnosis = sequence.break_diagnosis
             result.break_kind, result.break_detail = diagnosis.kind, diagnosis.detail
             source = seq_of.get(diagnosis.previous_exchange_id)
+            result.relation, result.relation_seq = "break", source
             result.assembler_note = f"the assembler starts sequence {sequence.sequence_id} at a {diagnosis.kind} break from the chain ending at seq {source} (token {diagnosis.index})"
         elif sequence.retry_of is not None:
-            result.assembler_note = f"the assembler keeps seq {result.after.seq} as a retry of seq {seq_of.get(sequence.retry_of)}"
+            result.relation, result.relation_seq = "retry", seq_of.get(sequence.retry_of)
+            result.assembler_note = f"the assembler keeps seq {result.after.seq} as a retry of seq {result.relation_seq}"
         else:
+            result.relation = "new_lineage"
             result.assembler_note = f"the assembler starts a new lineage at seq {result.after.seq} (no shared history: a sub-agent or side call)"
         return
 
@@ -305,6 +316,16 @@ def summary_line(diff: TurnDiff) -> str:
     head = f"seq {before.seq} → {after.seq}"
     if diff.extends:
         tokens = f"extends (+{len(after.prompt) - len(before.tokens)} prompt tokens)"
+    elif diff.relation == "new_lineage":
+        # nothing broke: a harness's own side call (a title, Gemini CLI's router), a sub-agent, or (tokens mode says
+        # so) a history the harness rewrote, e.g. compacted
+        why = after.bridge_reason if after.bridge_reason not in (None, "first_turn") else "side call or sub-agent"
+        tokens = f"new lineage ({why}; {diff.shared} tokens shared with seq {before.seq})"
+    elif diff.relation == "merged":
+        # the turn after a side call: it goes on with an earlier turn, not with the side call before it
+        tokens = f"continues seq {diff.relation_seq}, not seq {before.seq}"
+    elif diff.relation == "retry":
+        tokens = f"retry of seq {diff.relation_seq}"
     else:
         tokens = f"BREAK at token {diff.shared} of {len(before.tokens)} ({_differing_ids(diff)}): {diff.break_kind or 'no break class (' + (diff.assembler_note or 'not diagnosed') + ')'}"
     return f"{head}  {tokens}; messages: {_message_counts(diff.messages)}{_bridge_note(after)}"
@@ -320,7 +341,8 @@ def format_diff(diff: TurnDiff) -> str:
     before, after = diff.before, diff.after
     out = [f"session {diff.session_id} · seq {before.seq} → seq {after.seq} · {after.api} · harness {after.harness or '?'}"]
     if after.render_mode == "tokens":
-        out.append(f"render: tokens · seq {after.seq} " + ("bridged: its prompt is seq's prompt + sampled ids + the new messages" if after.bridged else f"not bridged ({after.bridge_reason or 'unknown'}): a full render"))
+        parent = f"seq {diff.parent_seq}'s" if diff.parent_seq is not None else "an earlier turn's"
+        out.append(f"render: tokens · seq {after.seq} " + (f"bridged: its prompt is {parent} prompt + sampled ids + the new messages" if after.bridged else f"not bridged ({after.bridge_reason or 'unknown'}): a full render"))
     out.append("")
     out.append(f"messages  (seq {before.seq} sent {len(before.messages)} + its reply; seq {after.seq} sent {len(after.messages)})")
     run: list[MessageOp] = []

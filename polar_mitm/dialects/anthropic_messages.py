@@ -4,6 +4,8 @@ The engine's reasoning comes back as a `thinking` block whose `signature` seals 
 client sends the block back, the engine sees that reasoning again, even where the client was told to omit the
 thinking text (`thinking.display: "omitted"`). Claude Code's per-turn `cch=` billing line in the first system
 block is passed on as it is.
+
+Length: one wire dialect (the Messages API's request, reply and stream grammar), read top to bottom.
 """
 
 from __future__ import annotations

@@ -77,10 +77,3 @@ def sse_events(data: bytes) -> list[SSEEvent]:
         if lines and lines != ["[DONE]"]:
             events.append((name, json.loads("\n".join(lines))))
     return events
-
-
-def copy_known(source: dict[str, Any], target: dict[str, Any], keys: dict[str, str]) -> None:
-    """Copy fields that mean the same in both APIs (source name -> engine name)."""
-    for src, dst in keys.items():
-        if source.get(src) is not None:
-            target[dst] = source[src]

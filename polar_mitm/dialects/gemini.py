@@ -6,6 +6,8 @@ functionResponse is paired with the earliest unanswered earlier call of the same
 travels in `thoughtSignature` (sealed, see reasoning.py, and base64-encoded: the field is bytes) on the thought
 part and, as Google places it, on the first functionCall part or else the last text part: Gemini CLI drops thought
 parts from its history but keeps signatures on the others.
+
+Length: one wire dialect (generateContent's request, reply and stream grammar), read top to bottom.
 """
 
 from __future__ import annotations
@@ -27,8 +29,6 @@ STREAM_CONTENT_TYPE = "text/event-stream"
 
 PATH = re.compile(r"^/(?:v1|v1beta|v1alpha)/models/(?P<model>[^/:]+):(?P<method>generateContent|streamGenerateContent|countTokens)$")
 
-# request fields the gateway deliberately leaves out; recorded in `ignored`
-IGNORED_FIELDS = {"safetySettings", "cachedContent", "labels", "model"}
 GENERATION_PASSTHROUGH = {
     "temperature": "temperature", "topP": "top_p", "topK": "top_k", "maxOutputTokens": "max_tokens",
     "stopSequences": "stop", "presencePenalty": "presence_penalty", "frequencyPenalty": "frequency_penalty", "seed": "seed",

@@ -6,6 +6,8 @@ Request: `instructions` and the input items become one chat-completions conversa
 client declared. Reply: a Response object, or its SSE event stream (`event:` lines, increasing
 `sequence_number`). The engine's reasoning travels sealed in a reasoning item's `encrypted_content`, so the next
 turn restores it exactly.
+
+Length: one wire dialect (the Responses API's request, reply and SSE event grammar), read top to bottom.
 """
 
 from __future__ import annotations

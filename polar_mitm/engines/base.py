@@ -1,4 +1,8 @@
-"""What every engine client does: call an OpenAI-compatible chat endpoint once, non-streaming."""
+"""What every engine client does: call an OpenAI-compatible chat endpoint once, non-streaming.
+
+`Engine` satisfies `engines._api.EngineClient` for one engine URL; every HTTP call goes through `_send`, which
+also keeps the URL's `Reachability` (answered / unreachable) for the gateway's log and status.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from polar_mitm.engines._api import Reachability
 from polar_mitm.exchange import Completion, EngineError, Notes, ToolCall
 
 # how each engine request spells the output budget (every dialect maps its own spelling onto these)
@@ -141,6 +146,10 @@ class Engine:
         # the engine's context length (prompt + output), configured or read from /models; None: unknown
         self.max_model_len: int | None = max_model_len
         self._models_read = False
+        self._reachability = Reachability(self.base_url)
+
+    def reachability(self) -> list[Reachability]:
+        return [self._reachability]
 
     async def close(self) -> None:
         if self.client is not None:
@@ -184,8 +193,12 @@ class Engine:
 
     async def list_models(self) -> list[str]:
         """Every model name the engine serves now (its base model and any loaded LoRA adapters)."""
+        return [model["id"] for model in await self.models()]
+
+    async def models(self) -> list[dict[str, Any]]:
+        """The /models entries (vLLM's name the directory it loaded as `root`, and `max_model_len`)."""
         response = await self._send("GET", "/models")
-        return [model["id"] for model in response.get("data") or []]
+        return [model for model in response.get("data") or [] if isinstance(model, dict)]
 
     def build_request(self, chat: dict[str, Any], model: str) -> dict[str, Any]:
         """The exact body sent to the engine: never streaming, always token ids and logprobs."""
@@ -263,6 +276,10 @@ class Engine:
         except EngineError:
             return None
 
+    async def complete_tokens(self, request: dict[str, Any]) -> dict[str, Any]:
+        """One token-in call (tokens mode): the raw reply. Each engine kind has its own endpoint."""
+        raise EngineError("engine_error", f"{self.kind} engine has no token-in endpoint (tokens mode needs vllm or sglang)", 501)
+
     def build_count_request(self, chat: dict[str, Any], model: str) -> dict[str, Any]:
         """The exact body count_tokens sends for this prompt (recorded as the row's engine_request)."""
         raise EngineError("engine_error", f"{self.kind} engine cannot count tokens", 501)
@@ -277,7 +294,7 @@ class Engine:
             data = (body.text if isinstance(body, WireJSON) else json.dumps(body, ensure_ascii=False)).encode()
         limit = self.timeout if timeout is None else timeout
         # only a call's own limit is passed: aiohttp reads timeout=None as "no limit", not as the session's
-        per_call = {"timeout": aiohttp.ClientTimeout(total=None, sock_connect=10.0, sock_read=limit)} if timeout is not None else {}
+        per_call: dict[str, Any] = {"timeout": aiohttp.ClientTimeout(total=None, sock_connect=10.0, sock_read=limit)} if timeout is not None else {}
         try:
             async with self._http().request(method, url, data=data, headers={"content-type": "application/json"} if data is not None else None, **per_call) as response:
                 status = response.status
@@ -285,7 +302,9 @@ class Engine:
         except TimeoutError as error:  # aiohttp's socket timeouts are TimeoutErrors too
             raise EngineError("engine_timeout", f"the inference engine did not answer within {limit:g}s ({type(error).__name__})", 504) from error
         except aiohttp.ClientError as error:
+            self._reachability.unreachable(f"{type(error).__name__}: {error}")
             raise EngineError("engine_unreachable", f"the inference engine at {self.base_url} is unreachable: {error!r}", 503) from error
+        self._reachability.answered()  # any HTTP answer, an error status too: the engine is there
         try:
             payload = _decode(text)
         except json.JSONDecodeError:

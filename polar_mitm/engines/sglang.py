@@ -44,6 +44,10 @@ class SGLangEngine(Engine):
         raw = await self._send("POST", "/chat/completions", count_request)
         return int((raw.get("usage") or {}).get("prompt_tokens") or len(self.prompt_token_ids(raw, raw["choices"][0]) or []))
 
+    async def complete_tokens(self, request: dict[str, Any]) -> dict[str, Any]:
+        # SGLang's native generate endpoint (beside /v1) takes input_ids
+        return await self._send("POST", "/generate", request, root=True)
+
 
 def _logprobs_from_meta_info(raw: dict[str, Any]) -> dict[str, Any]:
     """Fill `logprobs.content` from meta_info when SGLang left it empty, so one parser serves both engines."""
@@ -54,5 +58,5 @@ def _logprobs_from_meta_info(raw: dict[str, Any]) -> dict[str, Any]:
     triples = (choice.get("meta_info") or {}).get("output_token_logprobs")
     if triples is None or (choice.get("logprobs") or {}).get("content"):
         return raw
-    content = [{"token": text if isinstance(text, str) else "", "logprob": float(logprob), "bytes": None, "top_logprobs": []} for logprob, _, text in triples]
+    content: list[dict[str, Any]] = [{"token": text if isinstance(text, str) else "", "logprob": float(logprob), "bytes": None, "top_logprobs": []} for logprob, _, text in triples]
     return {**raw, "choices": [{**choice, "logprobs": {"content": content}}, *raw["choices"][1:]]}

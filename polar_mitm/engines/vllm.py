@@ -25,3 +25,7 @@ class VLLMEngine(Engine):
     async def count_tokens(self, count_request: dict[str, Any]) -> int:
         reply = await self._send("POST", "/tokenize", count_request, root=True)
         return int(reply["count"])
+
+    async def complete_tokens(self, request: dict[str, Any]) -> dict[str, Any]:
+        # the completions endpoint takes prompt ids and applies no chat template
+        return await self._send("POST", "/completions", request)

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, create_model
 
@@ -13,16 +13,18 @@ __all__ = ["DEFAULT_CONFDIR", "GatewayConfig"]
 
 
 def _field(option: Option) -> tuple[Any, Any]:
+    # an option with choices takes only its registry's names (a Literal: refused here, listed in the JSON schema)
+    kind = Literal[option.choices.names] if option.choices is not None else option.type
     if option.required:
-        return option.type, Field(description=option.help)
+        return kind, Field(description=option.help)
     if option.type == list[str]:
-        return option.type, Field(default_factory=lambda: list(option.default), description=option.help)
-    return option.type, Field(option.default, description=option.help)
+        return kind, Field(default_factory=lambda: list(option.default), description=option.help)
+    return kind, Field(option.default, description=option.help)
 
 
 GatewayConfig: type[BaseModel] = create_model(
     "GatewayConfig",
-    __doc__="The gateway's options (gateway/options.py); values are checked where they are used, in the addon's configure().",
+    __doc__="The gateway's options (gateway/options.py); choices are checked here, other values where they are used, in the addon's configure().",
     __module__=__name__,
     **{option.name: _field(option) for option in OPTIONS},
 )

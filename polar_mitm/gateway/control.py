@@ -13,6 +13,9 @@ the policy version in force when it was admitted.
 
 The HTTP side (`handle`) is transport-free: it takes a method, path and JSON body and returns (status, JSON), so
 the addon serves it and tests can call it directly. Pure asyncio, one event loop: no locks needed.
+
+`GET /control/status` also says whether the engine answers (`engine_reachable`, and `engines`: one entry per
+engine URL, from each client's `Reachability`): a harness retrying against a dead engine shows only as slow.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, Field, ValidationError
 
+from polar_mitm.engines import Reachability
 from polar_mitm.errors import ControlError
 
 T = TypeVar("T")
@@ -44,6 +48,14 @@ class ResumeRequest(BaseModel):
     engine_model: str | None = Field(None, min_length=1, description="The engine model (e.g. a LoRA adapter name) to serve from now on; must be listed by the engine's /models.")
 
 
+class EngineHealth(BaseModel):
+    url: str
+    reachable: bool | None = Field(description="Whether its last call got an answer (an HTTP error counts); null: not called yet.")
+    since: float | None = Field(description="Unix time it last became reachable or unreachable.")
+    last_error: str | None = Field(description="Why its last call found it unreachable.")
+    failed_calls: int = Field(description="Calls that found it unreachable, in its current (or last) time down.")
+
+
 class ControlStatus(BaseModel):
     state: State
     paused: bool
@@ -54,6 +66,8 @@ class ControlStatus(BaseModel):
     pause_mode: str | None
     paused_seconds: float | None = Field(description="How long the gateway has not been serving, if it is not.")
     aborted_total: int = Field(description="Engine calls aborted by pause(abort) since start.")
+    engine_reachable: bool | None = Field(None, description="Whether the engine answers (several: any of them); null: not called yet, or none configured.")
+    engines: list[EngineHealth] = Field(default_factory=list, description="Each engine URL's reachability.")
 
 
 class EngineCallAborted(Exception):
@@ -65,7 +79,10 @@ class EngineCallAborted(Exception):
 
 
 class PolicyControl:
-    def __init__(self, policy_version: int = 0, model_exists: Callable[[str], Awaitable[bool]] | None = None):
+    def __init__(
+        self, policy_version: int = 0, model_exists: Callable[[str], Awaitable[bool]] | None = None,
+        engines: Callable[[], list[Reachability]] | None = None,
+    ):
         self.state: State = "serving"
         self.policy_version = policy_version
         self.engine_model: str | None = None
@@ -75,6 +92,7 @@ class PolicyControl:
         self.waiting = 0
         # asks the engine whether it serves a model name (resume's engine_model); None: not checked
         self.model_exists = model_exists
+        self.engines = engines  # each engine URL's reachability, for status; None: not reported
         self._calls: set[asyncio.Task[Any]] = set()
         self._aborted: set[asyncio.Task[Any]] = set()
         self._state_changed = asyncio.Event()
@@ -151,6 +169,11 @@ class PolicyControl:
         return self.status()
 
     def status(self) -> ControlStatus:
+        engines = [
+            EngineHealth(url=r.url, reachable=r.reachable, since=r.since, last_error=r.last_error, failed_calls=r.failed_calls)
+            for r in (self.engines() if self.engines is not None else [])
+        ]
+        known = [engine.reachable for engine in engines if engine.reachable is not None]
         return ControlStatus(
             state=self.state,
             paused=self.state != "serving",
@@ -161,6 +184,8 @@ class PolicyControl:
             pause_mode=self.pause_mode,
             paused_seconds=None if self.paused_at is None else round(time.monotonic() - self.paused_at, 3),
             aborted_total=self.aborted_total,
+            engine_reachable=any(known) if known else None,
+            engines=engines,
         )
 
     async def handle(self, method: str, path: str, body: bytes) -> tuple[int, dict[str, Any]]:

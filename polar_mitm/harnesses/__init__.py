@@ -128,6 +128,12 @@ class Harness:
 
 
 # one module per harness, each defining HARNESS (a Harness subclass instance); imported on first use
-HARNESSES: Registry[Harness] = Registry("harness", {name: f"polar_mitm.harnesses.{name}:HARNESS" for name in ("codex", "claude", "qwen", "gemini")})
+# the npm agents beyond the first four (sandboxes/harnesses/install.sh, docs/agents.md)
+NPM_AGENTS = ("opencode", "pi", "cline", "kilo", "continue-cli")
+# the PyPI agents (a venv each: sandboxes/agents-py/install.sh); a module name spells the agent's `-` as `_`
+PYPI_AGENTS = ("mini-swe-agent", "aider", "openhands", "hermes", "gptme")
+# the example agents on agent frameworks (examples/agents/, sandboxes/agents-frameworks/install.sh)
+FRAMEWORK_AGENTS = {name: f"polar_mitm.harnesses.frameworks:{name.upper().replace('-', '_')}" for name in ("openai-agents-facts", "pydantic-ai-form", "smolagents-planner")}
+HARNESSES: Registry[Harness] = Registry("harness", {**{name: f"polar_mitm.harnesses.{name.replace('-', '_')}:HARNESS" for name in ("codex", "claude", "qwen", "gemini", *NPM_AGENTS, *PYPI_AGENTS)}, **FRAMEWORK_AGENTS})
 NAMES = HARNESSES.names()
 get = HARNESSES.get  # ConfigError naming the harnesses for an unknown name

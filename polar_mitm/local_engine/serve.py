@@ -39,6 +39,24 @@ class EngineRecord:
     log: str
 
 
+@dataclass
+class StoppedEngine:
+    """What `LocalEngine.stop()` ended: the group leader's pid, its URL and model, and the group's size and resident
+    memory just before the stop (RSS summed over its processes; shared pages count once per process)."""
+
+    pid: int
+    url: str
+    model: str
+    processes: int
+    resident_bytes: int
+
+    def describe(self) -> str:
+        return (
+            f"stopped {self.model} at {self.url} (pid {self.pid}; {self.processes} process{'es' if self.processes != 1 else ''}, "
+            f"{self.resident_bytes / 2**30:.1f} GiB resident before the stop)"
+        )
+
+
 class LocalEngine:
     def __init__(
         self, model: str = build.DEFAULT_MODEL, port: int = DEFAULT_PORT, home: str | os.PathLike | None = None,
@@ -161,11 +179,19 @@ class LocalEngine:
         request = {"model": self.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "temperature": 0}
         httpx.post(f"{self.base_url}/chat/completions", json=request, timeout=120, trust_env=False).raise_for_status()
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Stop the engine recorded for this port (whoever started it) and wait until it is gone."""
+    def stop(self, timeout: float = 30.0) -> StoppedEngine | None:
+        """Stop the engine recorded for this port (whoever started it) and wait until it is gone.
+
+        Returns what was stopped, or None when no engine was alive there (a stale record is removed either way)."""
         record = self._read_record()
         pid = self._process.pid if self._process else record.pid if record else None
+        stopped = None
         if pid is not None and self._alive(pid):
+            processes = _group_members(pid)
+            stopped = StoppedEngine(
+                pid=pid, url=record.url if record else self.base_url, model=record.model if record else self.model,
+                processes=len(processes), resident_bytes=sum(_resident_bytes(member) for member in processes),
+            )
             # The engine leads its own process group (setsid): signal vLLM's API server and its
             # engine-core workers together, and wait for all of them, not just the leader.
             _signal_group(pid, signal.SIGTERM)
@@ -178,6 +204,7 @@ class LocalEngine:
         self.record_file.unlink(missing_ok=True)
         self._process = None
         self.started_here = False
+        return stopped
 
     def running(self) -> bool:
         """Whether an engine for this port is alive and answering."""
@@ -259,6 +286,27 @@ def _signal_group(pid: int, sig: signal.Signals) -> None:
         os.killpg(pid, sig)
     except ProcessLookupError:
         pass
+
+
+def _group_members(pgid: int) -> list[int]:
+    """The pids of process group `pgid` (the engine's API server and its engine-core workers)."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, pgrp, ...
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(stat.parent.name))
+    return members
+
+
+def _resident_bytes(pid: int) -> int:
+    try:
+        resident_pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+    return resident_pages * os.sysconf("SC_PAGE_SIZE")
 
 
 def _port_in_use(port: int) -> bool:

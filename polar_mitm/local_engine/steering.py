@@ -1,7 +1,8 @@
 """Steering the tiny random-weight engine with structured outputs, so that it acts like an agent's policy.
 
-The engine still samples every token; a regex only fixes what the reply may say. Engine hooks
-(`--engine-hook`, in examples/ and tests/) decide what each turn is forced to; these are their common parts.
+The engine still samples every token; a regex only fixes what the reply may say. `steer` is the hook the README
+gives the bundled engine (`--engine-hook polar_mitm.local_engine.steering:steer`, importable from any folder);
+the other hooks (tests/support/) decide other turns and share the parts below. A real policy needs no hook.
 """
 
 from __future__ import annotations
@@ -58,3 +59,43 @@ def force(request: dict[str, Any], text: str, max_tokens: int | None = None, gre
     if max_tokens is not None:
         request["max_tokens"] = max_tokens
     return request
+
+
+# the line of a task's instruction naming the command the steered model's one shell call runs (examples/hello-task.yaml)
+STEER_LINE = re.compile(r"^STEER-COMMAND: (.+)$", re.MULTILINE)
+FINAL_TEXT = "Done."
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return ""
+
+
+def steer_command(request: dict[str, Any]) -> str | None:
+    """The command on a `STEER-COMMAND: ...` line of the request's user messages, if any."""
+    for message in request.get("messages") or []:
+        if message.get("role") == "user" and (match := STEER_LINE.search(_text(message.get("content")))):
+            return match.group(1).strip()
+    return None
+
+
+def steer(request: dict[str, Any], context: dict[str, Any]) -> dict[str, Any]:
+    """The engine hook that makes the tiny random-weight model act like a policy that finishes.
+
+    The first turn of an agent loop whose instruction has a `STEER-COMMAND:` line is one call of the harness's
+    shell tool running that command; every other turn is the short final text FINAL_TEXT (so a plain
+    instruction, e.g. "fix the tests", ends after one engine call instead of sampling toward the harness's whole
+    output budget). Requests without a shell tool that want JSON (Gemini CLI's model router) get its verdict.
+    Only the output is constrained: the harness's own max_tokens and sampling reach the engine unchanged.
+    """
+    shell, command = shell_tool(request), steer_command(request)
+    if shell and command and not has_tool_result(request):
+        forced = shell_call(shell, command)
+    elif not shell and wants_json(request):
+        forced = ROUTER_JSON
+    else:
+        forced = FINAL_TEXT
+    return force(dict(request), forced)

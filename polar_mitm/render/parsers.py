@@ -1,14 +1,14 @@
 """Sampled text -> the assistant message: reasoning, content and tool calls, in the model family's formats.
 
-Tool-call formats (`TOOL_FORMATS`):
+Tool-call formats (`TOOL_PARSERS`, the names `--tool-parser` takes), each a `ToolCallParser`:
   hermes       `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` (Qwen2.5, Qwen3; vLLM's `hermes`)
   qwen3_coder  `<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call>`
   none         all text is content
 Reasoning: a leading `<think>...</think>` (also when the prompt already opened the block) is split off.
 
-Contract: never raises and never drops text. When the text has a tool-call marker that does not parse, the
-whole text (reasoning split off) is returned as content with no tool calls, and `problem` says why; the
-gateway records it on the row.
+Contract: never raises on any sampled text and never drops text. When the text has a tool-call marker that does
+not parse, the whole text (reasoning split off) is returned as content with no tool calls, and `problem` says why;
+the gateway records it on the row.
 """
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from polar_mitm.exchange import ToolCall
+from polar_mitm.registry import Registry
 
-TOOL_FORMATS = ("hermes", "qwen3_coder", "none")
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
@@ -38,18 +39,22 @@ class ParsedOutput:
     problem: str | None = None  # why the tool calls could not be parsed (the text is then content)
 
 
+class ToolCallParser(Protocol):
+    """One tool-call format: sampled text with its reasoning split off -> (content, tool calls). Raises ValueError
+    when the text has a call marker that does not parse (parse_output then keeps the whole text as content)."""
+
+    def __call__(self, text: str, tools: list[dict[str, Any]], /) -> tuple[str | None, list[ToolCall]]: ...
+
+
 def parse_output(text: str, tool_format: str = "hermes", tools: list[dict[str, Any]] | None = None, think_opened: bool = False) -> ParsedOutput:
-    """Split sampled text; `think_opened`: the prompt ended inside an open `<think>` block."""
+    """Split sampled text; `tool_format` is a name in TOOL_PARSERS (another raises ConfigError, a ValueError);
+    `think_opened`: the prompt ended inside an open `<think>` block."""
+    parse_tool_calls = TOOL_PARSERS.get(tool_format)
     reasoning, rest = split_reasoning(text, think_opened)
-    if tool_format == "none" or TOOL_CALL_OPEN not in rest:
-        return ParsedOutput(content=rest or None, reasoning=reasoning)
-    head = rest[: rest.index(TOOL_CALL_OPEN)]
     try:
-        calls = _hermes_calls(rest) if tool_format == "hermes" else _qwen3_coder_calls(rest, tools or [])
+        content, calls = parse_tool_calls(rest, tools or [])
     except ValueError as error:
         return ParsedOutput(content=rest, reasoning=reasoning, problem=f"{tool_format} tool call not parsed: {error}")
-    # the template renders content, a newline, then the calls: the newline belongs to the calls
-    content = head.rstrip("\n") or None
     return ParsedOutput(content=content, reasoning=reasoning, tool_calls=calls)
 
 
@@ -64,6 +69,30 @@ def split_reasoning(text: str, think_opened: bool = False) -> tuple[str | None, 
         return stripped.strip("\n") or None, ""  # cut off while thinking
     inner, _, rest = stripped.partition(THINK_CLOSE)
     return inner.strip("\n") or None, rest.lstrip("\n")
+
+
+def hermes(text: str, tools: list[dict[str, Any]]) -> tuple[str | None, list[ToolCall]]:
+    return _tagged(text, _hermes_calls)
+
+
+def qwen3_coder(text: str, tools: list[dict[str, Any]]) -> tuple[str | None, list[ToolCall]]:
+    return _tagged(text, lambda tagged: _qwen3_coder_calls(tagged, tools))  # argument types come from the tools' schemas
+
+
+def no_tool_calls(text: str, tools: list[dict[str, Any]]) -> tuple[str | None, list[ToolCall]]:
+    return text or None, []
+
+
+def _tagged(text: str, calls_in: Callable[[str], list[ToolCall]]) -> tuple[str | None, list[ToolCall]]:
+    """Calls in `<tool_call>` blocks after the content; no block: all text is content."""
+    if TOOL_CALL_OPEN not in text:
+        return text or None, []
+    calls = calls_in(text)
+    # the template renders content, a newline, then the calls: the newline belongs to the calls
+    return text[: text.index(TOOL_CALL_OPEN)].rstrip("\n") or None, calls
+
+
+TOOL_PARSERS: Registry[ToolCallParser] = Registry("tool parser", {"hermes": hermes, "qwen3_coder": qwen3_coder, "none": no_tool_calls})
 
 
 def _remainder_check(text: str, blocks: list[re.Match[str]]) -> None:
@@ -138,3 +167,4 @@ def _typed(value: str, schema: dict[str, Any]) -> Any:
 def _call(name: str, arguments: dict[str, Any]) -> ToolCall:
     # arguments re-serialized for the client; the sampled ids themselves stay verbatim in the row and the prompt
     return ToolCall(id=f"chatcmpl-tool-{uuid.uuid4().hex[:24]}", name=name, arguments=json.dumps(arguments, ensure_ascii=False))
+

@@ -1,7 +1,7 @@
 """The model's chat template and tokenizer, applied in the gateway exactly as vLLM applies them.
 
 Contract: for a first turn, `Renderer.prompt_ids(chat)` equals the ids vLLM's `/tokenize` (and its chat
-completions) produce for the same chat request (tests/test_render.py checks it for every recorded harness
+completions) produce for the same chat request (tests/integration/test_render.py checks it for every recorded harness
 request shape). The message preparation below mirrors vLLM 0.32's (`vllm/renderers/chat_utils.py`): content
 parts as the template expects them (a list of text parts when the template iterates over content, else one
 string joined with newlines), tool results as one string, assistant tool-call arguments as JSON objects,

@@ -1,8 +1,9 @@
 """One exchange in tokens mode: render (or bridge) the prompt, call the engine token-in, parse the sample.
 
-The gateway hands over the parsed request and the engine's chat request after its engine hook; it gets back
-the request as sent, the raw reply and a `Completion` the dialects render like any other. The row gets
-`render_mode`, `bridged`, `bridge_reason` and, when the sample's tool calls did not parse, `output_parse_error`.
+The gateway hands over the engine's chat request after its engine hook and the exchange's `EngineRecord`; the
+record comes back with the request as sent, the raw reply and a `Completion` the dialects render like any other,
+and `render_mode`, `bridged`, `bridge_reason` and, when the sample's tool calls did not parse,
+`output_parse_error` (the gateway writes it to the row).
 
 Rendering and tokenizing run in a worker thread unless the request is tiny (a cold 12k-token first turn took
 50-160 ms of CPU here, a bridged turn 2-9 ms; the Rust tokenizer releases the GIL while it encodes).
@@ -15,9 +16,9 @@ import gc
 from pathlib import Path
 from typing import Any
 
-from polar_mitm.engines.base import Engine
+from polar_mitm.engines._api import EngineClient
 from polar_mitm.errors import RenderError
-from polar_mitm.exchange import Completion, Notes, ParsedRequest
+from polar_mitm.exchange import Completion, EngineRecord, Notes
 from polar_mitm.render import bridge, parsers, token_engine
 from polar_mitm.render.renderer import Renderer
 from polar_mitm.store import now
@@ -29,9 +30,8 @@ INLINE_RENDER_CHARS = 4_000
 
 
 class TokenPath:
-    def __init__(self, engine: Engine, model: str | None = None, tool_format: str = "hermes"):
-        if tool_format not in parsers.TOOL_FORMATS:
-            raise ValueError(f"unknown tool-call format {tool_format!r} (one of {', '.join(parsers.TOOL_FORMATS)})")
+    def __init__(self, engine: EngineClient, model: str | None = None, tool_format: str = "hermes"):
+        parsers.TOOL_PARSERS.get(tool_format)  # an unknown format: ConfigError naming the valid ones, before any request
         self.engine = engine
         self.model = model  # a model directory or local Hugging Face id; None: the engine's own model directory
         self.tool_format = tool_format
@@ -71,35 +71,35 @@ class TokenPath:
         raise RenderError(500, "tokenizer_unavailable", "tokens mode: the engine's model directory is not on this machine; set the render model (--render-model PATH_OR_ID)")
 
     async def _models(self) -> list[dict[str, Any]]:
-        reply = await self.engine._send("GET", "/models")
-        models = [model for model in reply.get("data") or [] if isinstance(model, dict)]
+        models = await self.engine.models()
         if self.max_model_len is None:
             self.max_model_len = next((int(m["max_model_len"]) for m in models if m.get("max_model_len")), None)
         return models
 
     async def complete(
-        self, parsed: ParsedRequest, chat: dict[str, Any], model: str, row: dict[str, Any], notes: Notes | None = None,
-    ) -> tuple[dict[str, Any], dict[str, Any], Completion]:
-        """The exchange's engine call in tokens mode; fills the row's render columns as it goes."""
-        row.update(render_mode="tokens", bridged=False)
+        self, chat: dict[str, Any], model: str, record: EngineRecord, *, session_id: str, exchange_id: str,
+        request_chars: int = 0, notes: Notes | None = None,
+    ) -> EngineRecord:
+        """The exchange's engine call in tokens mode, filling `record` as it goes; returns it, completion set.
+        `request_chars`: the size of the client's request (a big one is rendered off the event loop)."""
+        record.render_mode, record.bridged = "tokens", False
         renderer = await self.renderer()
-        session_id = row["session_id"]
-        big = len(row.get("request_body") or "") > INLINE_RENDER_CHARS
+        big = request_chars > INLINE_RENDER_CHARS
         prompt = await asyncio.to_thread(self._prompt, renderer, session_id, chat) if big else self._prompt(renderer, session_id, chat)
         prompt_ids, conversation, setup, bridged, reason = prompt
-        row.update(bridged=bridged is not None, bridge_reason=reason)
+        record.bridged, record.bridge_reason = bridged is not None, reason
         if self.max_model_len is None:
             self.max_model_len = self.engine.max_model_len  # configured (--engine-max-model-len) or read at discovery
         if self.max_model_len is None:
             await self._models()
         max_tokens = token_engine.max_new_tokens(chat, len(prompt_ids), self.max_model_len, notes)
         request = token_engine.build_request(self.engine, chat, model, prompt_ids, max_tokens)
-        row.update(engine_request=request, engine_started_at=now())
+        record.engine_request, record.engine_started_at = request, now()
         sent, raw, sampled = await token_engine.call(self.engine, request)
+        record.engine_request, record.engine_response = sent, raw
         text = renderer.sampled_text(sampled.completion_ids)
         output = parsers.parse_output(text, self.tool_format, chat.get("tools"), think_opened=_opens_think(renderer, prompt_ids))
-        if output.problem:
-            row["output_parse_error"] = output.problem
+        record.output_parse_error = output.problem or None
         finish = "tool_calls" if output.tool_calls else sampled.finish_reason
         completion = Completion(
             id=sampled.id,
@@ -117,8 +117,9 @@ class TokenPath:
             stop_sequence=sampled.stop_sequence,
         )
         answer = bridge.answer_message(output.content, output.tool_calls)
-        self.lineages.remember(session_id, bridge.make_turn(row["exchange_id"], conversation, answer, setup, prompt_ids, sampled.completion_ids))
-        return sent, raw, completion
+        self.lineages.remember(session_id, bridge.make_turn(exchange_id, conversation, answer, setup, prompt_ids, sampled.completion_ids))
+        record.completion = completion
+        return record
 
     def _prompt(self, renderer: Renderer, session_id: str, chat: dict[str, Any]) -> tuple[list[int], list[dict[str, Any]], str, bridge.Bridged | None, str | None]:
         """(prompt ids, the conversation as the template sees it, its setup key, the bridge or None, why not)."""

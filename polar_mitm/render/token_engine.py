@@ -16,7 +16,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from polar_mitm.engines.base import Engine, WireJSON
+from polar_mitm.engines._api import EngineClient
+from polar_mitm.engines.base import WireJSON
 from polar_mitm.errors import EngineError
 from polar_mitm.exchange import Notes
 
@@ -64,7 +65,7 @@ def max_new_tokens(chat: dict[str, Any], prompt_len: int, max_model_len: int | N
     return min(int(requested), room) if room is not None else int(requested)
 
 
-def build_request(engine: Engine, chat: dict[str, Any], model: str, prompt_ids: list[int], max_tokens: int) -> dict[str, Any]:
+def build_request(engine: EngineClient, chat: dict[str, Any], model: str, prompt_ids: list[int], max_tokens: int) -> dict[str, Any]:
     if engine.kind == "sglang":
         params = {target: chat[source] for source, target in SGLANG_SAMPLING.items() if chat.get(source) is not None}
         structured = chat.get("structured_outputs") or {}
@@ -84,14 +85,11 @@ def build_request(engine: Engine, chat: dict[str, Any], model: str, prompt_ids: 
     return request
 
 
-async def call(engine: Engine, request: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], Sampled]:
+async def call(engine: EngineClient, request: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], Sampled]:
     """(the request as sent, the raw reply, what was sampled)."""
-    request = WireJSON(request)
-    if engine.kind == "sglang":
-        raw = await engine._send("POST", "/generate", request, root=True)
-        return request, raw, _sglang_sampled(raw)
-    raw = await engine._send("POST", "/completions", request)
-    return request, raw, _vllm_sampled(raw)
+    request = WireJSON(request)  # encoded once: the same text is sent and recorded
+    raw = await engine.complete_tokens(request)
+    return request, raw, _sglang_sampled(raw) if engine.kind == "sglang" else _vllm_sampled(raw)
 
 
 def _vllm_sampled(raw: dict[str, Any]) -> Sampled:

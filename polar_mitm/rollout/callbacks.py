@@ -3,12 +3,14 @@
 Each delivery has a stable id, sent on every attempt as `X-Polar-Delivery-Id` and `Idempotency-Key`
 (session results: '<session_id>:session_result', the task's: '<task_id>:task_result'). A receiver whose
 answer got lost sees the retry with the same id and can drop it: a retried delivery is never counted twice.
-Retried, with exponential backoff: connection errors, 408, 425, 429 and 5xx. Another 4xx is final.
+Retried, with exponential backoff: connection errors, 408, 425, 429 and 5xx. Another 4xx is final. A delivery
+that failed for good is one line on the server's terminal (logger `polar_mitm.rollout`): kind, id, URL, error.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import httpx
@@ -17,6 +19,8 @@ from polar_mitm.rollout.models import Delivery
 from polar_mitm.store import now
 
 RETRYABLE = {408, 425, 429}
+
+log = logging.getLogger("polar_mitm.rollout")
 
 
 class CallbackSender:
@@ -42,10 +46,11 @@ class CallbackSender:
             if response.is_success:
                 delivery.status, delivery.delivered_at, delivery.last_error = "delivered", now(), None
                 return delivery
-            delivery.last_error = f"HTTP {response.status_code}: {response.text[:300]}"
+            delivery.last_error = f"HTTP {response.status_code}" + (f": {response.text[:300]}" if response.text else "")
             if response.status_code < 500 and response.status_code not in RETRYABLE:
                 break
         delivery.status = "failed"
+        log.warning(f"polar-mitm rollout: callback {delivery.delivery_id} to {delivery.url} failed after {delivery.attempts} attempt(s): {delivery.last_error}")
         return delivery
 
     async def close(self) -> None:

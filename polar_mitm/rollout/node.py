@@ -1,5 +1,5 @@
 """The gateway node: one per machine. It runs the polar gateway in-process, owns the store, makes sandboxes
-and runs this machine's sessions (scheduler.SessionRun) behind the scheduler's one narrow interface, `Node`.
+and runs this machine's sessions (session_run.SessionRun) behind the scheduler's one narrow interface, `Node`.
 
 Store writes. DuckDB allows one writing process per file, and the gateway's Store already has the one writer
 thread (group commits). The node runs the gateway in its own process, so it takes that same Store object
@@ -9,8 +9,12 @@ with the exchange commits, without touching the gateway's `n_exchanges`/`last_se
 (exchange counts, the assembler) use `Store.query`; other processes read through the store's SQL endpoint
 as usual (`polar-mitm sql`, `polar_mitm.store.query`).
 
-Scale-out: ray_cluster.py runs one GatewayNode per Ray node (ray_node.py, a Ray actor) and implements `Node`
-by forwarding check / run_session to it; nothing else crosses the boundary.
+Engine reachability. The node asks its engine(s) for `/models` when it starts and every ENGINE_PROBE_SECONDS
+after; `health()` reports the last answer (the rollout server's GET /health), so a dead engine shows there
+rather than only as sessions that time out.
+
+Scale-out: the ray package (polar_mitm/rollout/ray/) runs one GatewayNode per Ray node (ray/actor.py, a Ray
+actor) and implements `Node` by forwarding check / run_session to it.
 """
 
 from __future__ import annotations
@@ -26,16 +30,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 from pydantic import BaseModel, Field, field_validator
 
 from polar_mitm import harnesses
-from polar_mitm.errors import GatewayStartError
+from polar_mitm.errors import GatewayStartError, RequestRejected
 from polar_mitm.gateway.config import GatewayConfig
 from polar_mitm.rollout import relay, runtimes
+from polar_mitm.rollout.backend import ControlCall, GatewayReply
 from polar_mitm.rollout.models import SessionResult, TaskRequest, TrajectorySummary, UploadStep
 from polar_mitm.rollout.runtimes import GatewayAccess, Sandbox, SandboxSpec
-from polar_mitm.rollout.scheduler import RequestRejected, SessionRun, SessionWork, StageLimits, Stages
-from polar_mitm.store import Store, now
+from polar_mitm.rollout.session_run import ExchangeOutcomes, Report, SessionRun, SessionWork, StageLimits, Stages
+from polar_mitm.store import Store, StoreReader, now
 from polar_mitm.util import free_port, listening, load_function
 
 log = logging.getLogger("polar_mitm.rollout")
@@ -65,6 +71,44 @@ class NodeConfig(BaseModel):
 
 
 PORT_ATTEMPTS = 3  # free ports tried when the one picked is taken before the gateway binds it
+ENGINE_PROBE_SECONDS = 5.0  # between the node's checks that its engine(s) answer
+ENGINE_PROBE_TIMEOUT = 3.0
+
+
+class EngineReach(BaseModel):
+    """Whether one engine answered the node's last `GET <url>/models`."""
+
+    url: str
+    reachable: bool
+    error: str | None = None
+
+
+async def probe_engines(upstream: str | None) -> list[EngineReach]:
+    """Ask each engine of a gateway's `upstream` (comma-separated URLs) for its models, at once."""
+    urls = [url.strip() for url in (upstream or "").split(",") if url.strip()]
+
+    async def one(client: httpx.AsyncClient, url: str) -> EngineReach:
+        try:
+            reply = await client.get(f"{url.rstrip('/')}/models")
+        except httpx.HTTPError as error:
+            return EngineReach(url=url, reachable=False, error=f"{type(error).__name__}: {error}".rstrip(": "))
+        return EngineReach(url=url, reachable=reply.is_success, error=None if reply.is_success else f"GET /models: HTTP {reply.status_code}")
+
+    async with httpx.AsyncClient(trust_env=False, timeout=ENGINE_PROBE_TIMEOUT) as client:
+        return list(await asyncio.gather(*(one(client, url) for url in urls)))
+
+
+async def gateway_control(gateway_url: str, call: ControlCall) -> GatewayReply:
+    """`call` sent to one gateway's /control/* (loopback: the node's own gateway), its answer passed back as is."""
+    headers = {"content-type": "application/json", **({"authorization": call.authorization} if call.authorization else {})}
+    # no timeout: a pause(drain) answers once the gateway's calls have finished, bounded by its own timeout_seconds
+    async with httpx.AsyncClient(trust_env=False, timeout=None) as client:
+        reply = await client.request(call.method, f"{gateway_url}/control/{call.action}", content=call.body, headers=headers)
+    try:
+        body = reply.json()
+    except ValueError:
+        body = {"error": {"type": "not_json", "message": reply.text[:500]}}
+    return GatewayReply(status=reply.status_code, body=body if isinstance(body, dict) else {"answer": body})
 
 
 class InProcessGateway:
@@ -139,6 +183,8 @@ class GatewayNode:
         self.stages: Stages | None = None
         self.relay_dir: Path | None = None
         self.relay_server: asyncio.AbstractServer | None = None
+        self.engines: list[EngineReach] = []  # the last probe's answer (empty: none yet)
+        self.engine_watch: asyncio.Task | None = None
 
     @property
     def gateway_url(self) -> str:
@@ -149,7 +195,6 @@ class GatewayNode:
         return self.gateway.store
 
     async def start(self) -> None:
-        self.output_dir.mkdir(parents=True, exist_ok=True)
         for attempt in range(PORT_ATTEMPTS):
             try:
                 await asyncio.to_thread(self.gateway.start)
@@ -162,13 +207,29 @@ class GatewayNode:
                 log.warning(f"polar node: gateway port {self.port} was taken meanwhile; trying another")
                 self.port = free_port()
                 self.gateway = InProcessGateway(self.gateway.config.model_copy(update={"port": self.port}))
+        self.output_dir.mkdir(parents=True, exist_ok=True)  # once the gateway is up: a node that cannot start leaves none
         self.stages = Stages(self.config.limits)
         # sandboxes without a network reach the gateway through this socket (mounted into containers)
         self.relay_dir = Path(tempfile.mkdtemp(prefix="polar-node-"))
         self.relay_dir.chmod(0o755)
         self.relay_server = await relay.serve_unix_to_tcp(str(self.relay_dir / "gateway.sock"), "127.0.0.1", self.port)
+        self.engines = await probe_engines(self.config.gateway.upstream)
+        self.engine_watch = asyncio.create_task(self._watch_engines(), name="polar node engine probe")
+
+    async def _watch_engines(self) -> None:
+        while True:
+            await asyncio.sleep(ENGINE_PROBE_SECONDS)
+            self.engines = await probe_engines(self.config.gateway.upstream)
+
+    @property
+    def engine_reachable(self) -> bool | None:
+        """Some engine of the gateway answered the last probe (None: no probe yet)."""
+        return any(engine.reachable for engine in self.engines) if self.engines else None
 
     async def stop(self) -> None:
+        if self.engine_watch is not None:
+            self.engine_watch.cancel()
+            await asyncio.gather(self.engine_watch, return_exceptions=True)
         if self.relay_server is not None:
             self.relay_server.close()
         if self.relay_dir is not None:
@@ -176,7 +237,15 @@ class GatewayNode:
         await asyncio.to_thread(self.gateway.stop)
 
     def health(self) -> dict[str, Any]:
-        return {"gateway": self.gateway_url, "gateway_listening": listening(self.port), "upstream": self.config.gateway.upstream, "db": str(self.config.gateway.db), "limits": self.config.limits.model_dump()}
+        return {
+            "gateway": self.gateway_url, "gateway_listening": listening(self.port), "upstream": self.config.gateway.upstream,
+            "engine_reachable": self.engine_reachable, "engines": [engine.model_dump() for engine in self.engines],
+            "db": str(self.config.gateway.db), "limits": self.config.limits.model_dump(),
+        }
+
+    async def control(self, call: ControlCall) -> GatewayReply:
+        """A control call on this node's gateway."""
+        return await gateway_control(self.gateway_url, call)
 
     # -- the Node interface
     async def check(self, request: TaskRequest) -> None:
@@ -210,7 +279,7 @@ class GatewayNode:
             except Exception as error:  # noqa: BLE001 - any import failure is the request's problem
                 raise RequestRejected(("evaluator", "python"), f"cannot load {request.evaluator.python!r}: {error}") from None
 
-    async def run_session(self, work: SessionWork, report: Any) -> SessionResult:
+    async def run_session(self, work: SessionWork, report: Report) -> SessionResult:
         assert self.stages is not None, "start() the node first"
         return await SessionRun(work, self, self.stages, report).run()
 
@@ -232,6 +301,10 @@ class GatewayNode:
     async def count_exchanges(self, session_id: str) -> int:
         _, rows = await asyncio.to_thread(self.store.query, "SELECT count(*) FROM exchanges WHERE session_id = ?", [session_id])
         return int(rows[0][0])
+
+    async def exchange_outcomes(self, session_id: str) -> ExchangeOutcomes:
+        _, rows = await asyncio.to_thread(self.store.query, "SELECT status, count(*), any_value(error) FROM exchanges WHERE session_id = ? GROUP BY status", [session_id])
+        return {str(status): (int(count), error) for status, count, error in rows}
 
     async def build(self, session_id: str, builder: str, options: dict[str, Any]) -> TrajectorySummary:
         return await asyncio.to_thread(self._build, session_id, builder, options)
@@ -258,20 +331,16 @@ class GatewayNode:
         await asyncio.to_thread(self.store.execute_write, RECORD_SESSION, params)
 
 
-def export_sessions(store: Any, task_id: str, session_ids: list[str], builder: str, options: dict[str, Any], path: Path) -> tuple[Path, dict[str, Any]]:
-    """Assemble the sessions from `store` (a Store, or anything with its query surface) into the task's Parquet:
-    (path, stats)."""
+def export_sessions(store: StoreReader, task_id: str, session_ids: list[str], builder: str, options: dict[str, Any], path: Path) -> tuple[Path, dict[str, Any]]:
+    """Assemble a task's sessions from `store` (the node's Store, a cluster's UnionStore) into the task's Parquet
+    in one assembly pass over just those sessions (their GRPO group read from the whole store): (path, stats)."""
     from polar_mitm.assembler import assemble
     from polar_mitm.assembler.export import write_parquet
 
-    sequences, groups = [], []
-    for session_id in session_ids:
-        try:
-            assembly = assemble(None, builder, session_id, store=store, lenient=bool(options.get("lenient")))
-        except LookupError:  # no model exchange was ever answered in this session
-            continue
-        sequences.extend(assembly.sequences)
-        groups = [g for g in assembly.groups if g.group_id == task_id] or groups
+    # a session without trajectory material (no model exchange was ever answered) yields no sequence
+    assembly = assemble(None, builder, store=store, session_ids=session_ids, lenient=bool(options.get("lenient")))
+    sequences = assembly.sequences
+    groups = [g for g in assembly.groups if g.group_id == task_id]
     path = write_parquet(sequences, path)
     return path, {
         "builder": builder,

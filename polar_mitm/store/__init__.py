@@ -5,17 +5,22 @@ Modules, bottom up (each imports only those above it in this list, and nothing o
     records    journal records: how a row is written into a journal table and read back typed
     segments   Parquet segments, the `exchanges` view over journals and segments, compaction steps, migration,
                connect(): open a store file so its view finds the segments from any working directory
-    control    the loopback read-only SQL endpoint a gateway serves, and its control file
-    client     query() / query_dicts(): read a store from any process (directly, or through its gateway)
+    sql_endpoint  the loopback read-only SQL endpoint a gateway serves, and its control file
+    by_path    query() / query_dicts(): read a store by its path from any process (directly, or through its gateway)
     views      the documented SQL views (session_timeline, token_usage, breaks, ...)
+    snapshots  the store as Parquet files at one instant (NodeSnapshot), and how another machine reads or pulls them
     writer     Store: the single writer of one file (writer thread, group commits, compactor)
+    reading    StoreReader / SnapshotSource, the read interface everything above the store takes; ClosedStore
+               (a file nobody writes), StorePath (a store by its path, from any process)
+    union      UnionStore / write_catalog: several stores' snapshots read as one
 
 Every name below is importable from `polar_mitm.store` as before the split.
 """
 
 from polar_mitm.store import views
-from polar_mitm.store.client import live_holder, query, query_dicts
-from polar_mitm.store.control import READ_ONLY_STATEMENTS, check_read_only, control_file
+from polar_mitm.store.by_path import live_holder, query, query_dicts
+from polar_mitm.store.sql_endpoint import READ_ONLY_STATEMENTS, check_read_only, control_file
+from polar_mitm.store.reading import ClosedStore, SnapshotSource, StorePath, StoreReader, snapshot_closed_store
 from polar_mitm.store.records import (
     BODY_FIELDS,
     BODY_STRUCTURE,
@@ -55,9 +60,23 @@ from polar_mitm.store.segments import (
     segments_dir,
     write_parquet,
 )
+from polar_mitm.store.snapshots import NodeData, NodeSnapshot, pull_snapshot, read_range, snapshot_dir
+from polar_mitm.store.union import UnionStore, write_catalog
 from polar_mitm.store.writer import SESSION_ARROW_SCHEMA, Store
 
 __all__ = [
+    "write_catalog",
+    "UnionStore",
+    "snapshot_dir",
+    "read_range",
+    "pull_snapshot",
+    "NodeSnapshot",
+    "NodeData",
+    "snapshot_closed_store",
+    "StoreReader",
+    "StorePath",
+    "SnapshotSource",
+    "ClosedStore",
     "BODY_FIELDS",
     "BODY_STRUCTURE",
     "COMPLETED_STATUSES",

@@ -77,7 +77,7 @@ def fetch(con: duckdb.DuckDBPyConnection, sql: str, params: list[Any] | None = N
         cursor.close()
 
 
-def fetch_arrow(con: duckdb.DuckDBPyConnection, sql: str, params: list[Any] | None = None) -> Any:
+def fetch_arrow(con: duckdb.DuckDBPyConnection, sql: str, params: list[Any] | None = None) -> pa.Table:
     """One statement's result as an Arrow table, on a cursor of its own."""
     cursor = con.cursor()
     try:

@@ -3,7 +3,7 @@
 DuckDB allows one writing process per file. The gateway owns the file while it runs: a single writer
 thread does group commits (the event loop never touches DuckDB), a compactor thread turns full journals into
 Parquet segments (see polar_mitm.store.segments), and read-only SQL from other processes is answered by the
-gateway itself over a loopback control endpoint named in `<db>.control.json` (polar_mitm.store.control).
+gateway itself over a loopback control endpoint named in `<db>.control.json` (polar_mitm.store.sql_endpoint).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
-from polar_mitm.store import control, views
+from polar_mitm.store import sql_endpoint, views
 from polar_mitm.store.records import (
     JOURNAL_COLUMNS,
     JOURNAL_PREFIX,
@@ -57,6 +57,7 @@ from polar_mitm.store.segments import (
     write_segment,
     write_view,
 )
+from polar_mitm.store.snapshots import NodeSnapshot, snapshot_dir, snapshot_store
 
 log = logging.getLogger("polar_mitm.store")
 
@@ -384,6 +385,12 @@ class Store:
         """The result of read-only SQL as an Arrow table (list columns as Arrow buffers, no Python object per value)."""
         return fetch_arrow(self.con, sql, params)
 
+    def snapshot(self, node: str, out_dir: Path | None = None) -> NodeSnapshot:
+        """The store as Parquet files at one instant (polar_mitm.store.snapshots), while the writer goes on: only
+        the journal tail and `sessions` are written, into `out_dir` (default `<db>.snapshots/`); absolute paths."""
+        db = self.path.resolve()
+        return snapshot_store(self.con, db, node, out_dir or snapshot_dir(db))
+
     # -- the control endpoint for readers in other processes
     def load_trajectories(self, parquet: Path) -> None:
         """Load an assembler Parquet file into the `trajectories` table through the writer thread."""
@@ -392,13 +399,13 @@ class Store:
 
     def serve_sql(self, port: int = 0) -> str:
         """Answer read-only SQL from other processes on a loopback port (named in the control file); returns its URL."""
-        self._control = control.serve_sql(self.path, self.query, port, self.load_trajectories)
-        return control.sql_url(self._control)
+        self._control = sql_endpoint.serve_sql(self.path, self.query, port, self.load_trajectories)
+        return sql_endpoint.sql_url(self._control)
 
     def close(self) -> None:
         """Stop writing; every journal becomes a segment, so a closed store holds its exchanges in Parquet."""
         if self._control is not None:
-            control.stop_serving(self.path, self._control)
+            sql_endpoint.stop_serving(self.path, self._control)
             self._control = None
         self._compactions.put(None)  # finishes the compactions queued so far (their last step needs the writer)
         self._compactor.join(timeout=600)

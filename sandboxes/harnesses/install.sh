@@ -41,7 +41,7 @@ if [[ "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
   echo "$want" > "$stamp"
 fi
 
-for bin in codex claude qwen gemini; do
+for bin in codex claude qwen gemini opencode pi cline kilo cn; do
   [[ -x "$prefix/node_modules/.bin/$bin" ]] || { echo "install.sh: $bin missing after install" >&2; exit 1; }
 done
 echo "$prefix"

@@ -20,8 +20,8 @@ from google.genai import errors as genai_errors
 
 from polar_mitm.local_engine import LocalEngine
 from polar_mitm.util import free_port
-from tests.integration.test_harnesses import HOOK, check_run, installed, run_harness  # noqa: F401 - installed is a fixture
 from tests.support.gatewayproc import Gateway, proxy_env
+from tests.support.harness_runs import HOOK, check_run, run_harness
 from tests.support.harness_steering import SIDE_CALL_TEXT
 
 CONTEXT = 24576
@@ -47,7 +47,7 @@ def budget_notes(row: dict) -> list[tuple[str, int, int, int, int]]:
 
 @pytest.mark.harness
 @pytest.mark.parametrize("name", ["claude", "qwen", "codex", "gemini"])
-def test_harness_runs_unmodified_against_a_short_context_engine(installed, short_gateway, session_id, tmp_path, name):  # noqa: F811
+def test_harness_runs_unmodified_against_a_short_context_engine(installed, short_gateway, session_id, tmp_path, name):
     result = run_harness(short_gateway, name, session_id, tmp_path)
     rows = check_run(short_gateway, name, session_id, tmp_path, result, side_calls=1 if name == "gemini" else 0)
     asked = {"claude": 128000, "qwen": 32768}.get(name)

@@ -23,9 +23,9 @@ import pytest
 from polar_mitm.assembler import assemble
 from polar_mitm.client import GatewayControl
 from polar_mitm.errors import ControlError
-from tests.integration.test_harness_keepalives import BASELINE_MARKS, CASES, KEEPALIVE_MARK
-from tests.integration.test_harnesses import HOOK, check_run, installed, run_harness  # noqa: F401 - installed is a fixture
 from tests.support.gatewayproc import Gateway
+from tests.support.harness_runs import HOOK, check_run, run_harness
+from tests.support.keepalive_cases import BASELINE_MARKS, CASES, KEEPALIVE_MARK
 from tests.support.upstream_standins import DelayedEngineRelay
 
 # the random-weight test model rarely samples EOS: a call runs to max_tokens, long enough to be caught mid-turn
@@ -332,7 +332,7 @@ def check_held(name: str, row: dict, resumed_at: datetime) -> None:
 
 
 @pytest.mark.harness
-def test_drain_with_four_real_harnesses_mid_turn(installed, make_gateway, engine_url, session_id, tmp_path, monkeypatch):  # noqa: F811
+def test_drain_with_four_real_harnesses_mid_turn(installed, make_gateway, engine_url, session_id, tmp_path, monkeypatch):
     names = ["qwen", "codex", "claude", "gemini"]
     harness_env(monkeypatch, names)
     ids = {name: f"{session_id}-{name}" for name in names}
@@ -379,7 +379,7 @@ def test_drain_with_four_real_harnesses_mid_turn(installed, make_gateway, engine
 
 @pytest.mark.harness
 @pytest.mark.parametrize("name", ["qwen", "codex", "claude", "gemini"])
-def test_abort_reissues_a_real_harness_call(installed, name, make_gateway, engine_url, session_id, tmp_path, monkeypatch):  # noqa: F811
+def test_abort_reissues_a_real_harness_call(installed, name, make_gateway, engine_url, session_id, tmp_path, monkeypatch):
     harness_env(monkeypatch, [name])
     relay = DelayedEngineRelay(engine_url, 8.0)
     gateway = make_gateway("--engine-hook", HOOK, "--keepalive-interval", "1", "--policy-version", "3", upstream=relay.url)

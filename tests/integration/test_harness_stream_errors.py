@@ -20,8 +20,8 @@ import pytest
 
 from polar_mitm.assembler import assemble
 from polar_mitm.local_engine.steering import has_tool_result, shell_tool
-from tests.integration.test_harnesses import HOOK, check_assembly, check_run, installed, run_harness  # noqa: F401 - installed is a fixture
 from tests.support import harness_steering as steering
+from tests.support.harness_runs import HOOK, check_assembly, check_run, run_harness
 from tests.support.upstream_standins import DelayedEngineRelay
 
 FAIL_AFTER_S = 2.0
@@ -51,7 +51,7 @@ CASES = {
 
 @pytest.mark.harness
 @pytest.mark.parametrize("name", list(CASES))
-def test_a_harness_retries_a_turn_after_an_error_inside_the_stream(installed, name, make_gateway, engine_url, session_id, tmp_path):  # noqa: F811
+def test_a_harness_retries_a_turn_after_an_error_inside_the_stream(installed, name, make_gateway, engine_url, session_id, tmp_path):
     case = CASES[name]
     relays = {"clean": DelayedEngineRelay(engine_url, 0.0, slowed=lambda request: False), "failed": DelayedEngineRelay(engine_url, FAIL_AFTER_S, failing=_first_agent_turn)}
     try:

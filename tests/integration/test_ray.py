@@ -12,158 +12,41 @@ import signal
 import subprocess
 import sys
 import time
-from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
 import duckdb
-import httpx
-import psutil
 import pyarrow.parquet as pq
 import pytest
 
 from polar_mitm.rollout.runtimes.local import marked_processes
-from polar_mitm.util import free_port
-from tests.integration.test_rollout import (  # noqa: F401 - fixtures
-    HOOK,
-    TASK_WAIT,
-    Receiver,
-    RolloutServer,
-    coding_task,
-    harness_installed,
-    receiver,
+from tests.support.ray_runs import (
+    NODES,
+    end_sessions_left,
+    sleeping_task,
+    sql,
+    start_ray_node,
+    start_server,
+    stop_server,
+    wait_for,
+    wait_task,
 )
+from tests.support.rollout_runs import HOOK, TASK_WAIT, Receiver, RolloutServer, coding_task
 
 pytestmark = [pytest.mark.harness, pytest.mark.engine]
 
 ray = pytest.importorskip("ray")
-NODES = ("n0", "n1", "n2")
-LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-SLEEP = 'python3 -c "import time; time.sleep({seconds})"'
 TRAINER = Path(__file__).resolve().parents[1] / "support" / "ray_trainer.py"
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """Head n0 + workers n1, n2; one CPU each (the node actors take none). Loopback only: with
-    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 every Ray process (and the server's driver) takes 127.0.0.1 as its address
-    instead of the machine's outward one."""
-    from ray.cluster_utils import Cluster
-
-    saved = {name: os.environ.get(name) for name in LOOPBACK_ENV}
-    os.environ.update(LOOPBACK_ENV)
-
-    def node_args(name: str) -> dict[str, Any]:
-        return {"num_cpus": 1, "resources": {"polar_node": 1}, "labels": {"polar-node": name}, "node_ip_address": "127.0.0.1", "object_store_memory": 80 * 2**20}
-
-    cluster = start_ray_node(lambda: Cluster(initialize_head=True, connect=False, head_node_args={**node_args("n0"), "include_dashboard": False}))
-    try:
-        workers = {name: start_ray_node(lambda name=name: cluster.add_node(**node_args(name))) for name in NODES[1:]}
-        cluster.wait_for_nodes()
-        cluster.workers = workers  # type: ignore[attr-defined]
-        cluster.node_args = node_args  # type: ignore[attr-defined]
-        yield cluster
-    finally:
-        cluster.shutdown()
-        for name, value in saved.items():
-            os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
-
-
-def start_ray_node(start: Any, attempts: int = 3) -> Any:
-    """`start()` a Ray node (or the head) at a raised priority; on this loaded machine its raylet may still give up
-    on its agents, so what that attempt left (the Ray processes it started, none other) is ended and it is retried."""
-    for attempt in range(attempts):
-        before = {p.pid for p in psutil.Process().children(recursive=True)}
-        try:
-            with ray_startup_priority():
-                return start()
-        except Exception:
-            if attempt == attempts - 1:
-                raise
-            for process in psutil.Process().children(recursive=True):
-                with suppress(psutil.Error):
-                    if process.pid not in before and "ray" in " ".join(process.cmdline()):
-                        process.kill()
-            time.sleep(2)
-    raise AssertionError("unreachable")
-
-
-@contextmanager
-def ray_startup_priority():
-    """A raylet gives its node's Python agents a fixed ~15 s to come up and dies otherwise; on this shared 2-core
-    machine they can take longer. Started at a raised priority, then every process started meanwhile goes back
-    to normal, so the sessions and everything else run as usual."""
-    os.setpriority(os.PRIO_PROCESS, 0, -10)
-    try:
-        yield
-    finally:
-        for child in psutil.Process().children(recursive=True):
-            with suppress(psutil.Error):
-                child.nice(0)
-        os.setpriority(os.PRIO_PROCESS, 0, 0)
-
-
-def start_server(ray_cluster, engine_url: str, base: Path, *extra: str, db: Path | None = None, nodes: tuple[str, ...] = NODES) -> RolloutServer:
-    port = free_port()
-    base.mkdir(parents=True, exist_ok=True)
-    log = base / f"server-{port}.log"
-    db = db or base / "store.duckdb"
-    command = [
-        sys.executable, "-m", "polar_mitm.cli", "rollout", "serve", "--ray", ray_cluster.address, "--port", str(port), "--upstream", engine_url,
-        "--db", str(db), "--confdir", str(base / "confdir"), "--engine-hook", HOOK, "--prepare-limit", "1", "--run-limit", "1", "-v", *extra,
-    ]
-    process = subprocess.Popen(command, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
-    server = RolloutServer(f"http://127.0.0.1:{port}", db, log, process)
-    deadline = time.monotonic() + 240
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"rollout server exited with {process.returncode}:\n{server.log_tail()}")
-        try:
-            health = server.client.get("/health")
-            if health.status_code == 200 and all(health.json()["nodes"].get(n) for n in nodes):
-                return server
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            stop_server(server)
-            raise TimeoutError(f"rollout server did not come up:\n{server.log_tail()}")
-        time.sleep(0.5)
-
-
-def stop_server(server: RolloutServer, sig: int = signal.SIGTERM) -> None:
-    server.client.close()
-    try:
-        os.killpg(server.process.pid, sig)
-        server.process.wait(timeout=90)
-    except ProcessLookupError:
-        pass
-    except subprocess.TimeoutExpired:
-        os.killpg(server.process.pid, signal.SIGKILL)
-        server.process.wait()
-
-
 @pytest.fixture
-def cluster_server(ray_cluster, engine_url: str, harness_installed: None, tmp_path: Path):  # noqa: F811 - the fixture
+def cluster_server(ray_cluster, engine_url: str, harness_installed: None, tmp_path: Path):
     server = start_server(ray_cluster, engine_url, tmp_path)
     yield server
     stop_server(server)
 
 
-def sql(server: RolloutServer, query: str) -> list[dict[str, Any]]:
-    response = server.client.get("/sql", params={"q": query})
-    assert response.status_code == 200, response.text
-    body = response.json()
-    return [dict(zip(body["columns"], row, strict=True)) for row in body["rows"]]
-
-
-def sleeping_task(task_id: str, engine_url: str, samples: int, seconds: int, **fields: Any) -> dict[str, Any]:
-    task = coding_task(task_id, engine_url, "local", samples)
-    task["instruction"] = f"Wait.\nSTEER-COMMAND: {SLEEP.format(seconds=seconds)}"
-    task["evaluator"] = None
-    return {**task, **fields}
-
-
-def test_six_sessions_spread_over_three_nodes_with_trajectories_and_sql_over_every_store(cluster_server: RolloutServer, engine_url: str, receiver) -> None:  # noqa: F811
+def test_six_sessions_spread_over_three_nodes_with_trajectories_and_sql_over_every_store(cluster_server: RolloutServer, engine_url: str, receiver) -> None:
     rx: Receiver = receiver()
     task = {**coding_task("ray-six", engine_url, "local", 6), "callback_url": rx.url}
     accepted = cluster_server.submit(task)
@@ -206,39 +89,8 @@ def test_six_sessions_spread_over_three_nodes_with_trajectories_and_sql_over_eve
     assert task_result["counts"] == {"completed": 6}
 
 
-def wait_task(server: RolloutServer, task_id: str, timeout: float) -> dict[str, Any]:
-    """RolloutServer.wait, riding over a dropped keep-alive connection (uvicorn may close one as a request goes out)."""
-
-    def finished() -> dict[str, Any] | None:
-        try:
-            result = server.task(task_id)
-        except httpx.TransportError:
-            return None
-        return result if result["status"] != "running" else None
-
-    return wait_for(finished, timeout, f"task {task_id} to finish", interval=1.0)
-
-
-def wait_for(check, timeout: float, what: str, interval: float = 0.5) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-
-
 def nodes_status(server: RolloutServer) -> dict[str, dict[str, Any]]:
     return {n["name"]: n for n in server.client.get("/nodes").json()["nodes"]}
-
-
-def end_sessions_left(session_ids: list[str]) -> None:
-    """Harness processes of sessions whose node was killed under them (nothing else would stop them)."""
-    for session_id in session_ids:
-        for pid in marked_processes(session_id):
-            with suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
 
 
 def test_a_node_killed_mid_task_every_session_accounted_for_and_its_store_comes_back(ray_cluster, cluster_server: RolloutServer, engine_url: str) -> None:
@@ -308,7 +160,7 @@ def test_early_stop_cancels_stragglers_and_a_drained_node_gets_nothing(cluster_s
         assert not marked_processes(session_id)  # the harness was stopped, not left running
 
 
-def test_head_restart_loses_no_task_double_runs_no_session_and_redelivers_callbacks(ray_cluster, engine_url: str, harness_installed: None, tmp_path: Path, receiver) -> None:  # noqa: F811
+def test_head_restart_loses_no_task_double_runs_no_session_and_redelivers_callbacks(ray_cluster, engine_url: str, harness_installed: None, tmp_path: Path, receiver) -> None:
     rx: Receiver = receiver(fail_first={"session_result": 10**6, "task_result": 10**6})  # the trainer is down until the head restarts
     first = start_server(ray_cluster, engine_url, tmp_path)
     second: RolloutServer | None = None
@@ -355,7 +207,7 @@ def cluster_config(engine_url: str, base: Path) -> Any:
     from polar_mitm.gateway.config import GatewayConfig
     from polar_mitm.rollout.node import NodeConfig
     from polar_mitm.rollout.ray_cluster import ClusterConfig
-    from polar_mitm.rollout.scheduler import StageLimits
+    from polar_mitm.rollout.session_run import StageLimits
 
     gateway = GatewayConfig(upstream=engine_url, db=base / "store.duckdb", confdir=str(base / "confdir"), engine_hook=HOOK)
     return ClusterConfig(node=NodeConfig(gateway=gateway, limits=StageLimits(prepare=1, run=1)))
@@ -377,7 +229,7 @@ def trainer_job(ray_cluster, config: Any, scenario: str, tasks: list[dict[str, A
     return json.loads(out.read_text())
 
 
-def test_a_trainer_runs_a_task_through_the_python_entry_point_in_its_own_ray_job(ray_cluster, engine_url: str, harness_installed: None, tmp_path: Path) -> None:  # noqa: F811
+def test_a_trainer_runs_a_task_through_the_python_entry_point_in_its_own_ray_job(ray_cluster, engine_url: str, harness_installed: None, tmp_path: Path) -> None:
     from polar_mitm.client import load_batch
 
     seen = trainer_job(ray_cluster, cluster_config(engine_url, tmp_path), "run", [coding_task("ray-python", engine_url, "local", 2)], tmp_path)
@@ -404,7 +256,7 @@ def test_a_trainer_runs_a_task_through_the_python_entry_point_in_its_own_ray_job
     assert seen["actors_left"] == [] and seen["ray_connected"] is True
 
 
-def test_a_higher_dispatch_priority_goes_first_through_limited_slots(ray_cluster, engine_url: str, harness_installed: None, tmp_path: Path) -> None:  # noqa: F811
+def test_a_higher_dispatch_priority_goes_first_through_limited_slots(ray_cluster, engine_url: str, harness_installed: None, tmp_path: Path) -> None:
     """One node open (the others drained): two slots (one preparing, one running). A busy task fills them; a task
     with priority 0 is queued, then one with priority 90. The later, higher-priority task's sessions are dispatched
     first, as the head store records and the node's session start times show."""

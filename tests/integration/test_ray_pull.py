@@ -22,7 +22,7 @@ import psutil
 import pyarrow.parquet as pq
 import pytest
 
-from tests.integration.test_ray import (
+from tests.support.ray_runs import (
     LOOPBACK_ENV,
     ray_startup_priority,
     sql,
@@ -32,7 +32,7 @@ from tests.integration.test_ray import (
     wait_for,
     wait_task,
 )
-from tests.integration.test_rollout import TASK_WAIT, coding_task, harness_installed  # noqa: F401 - fixture
+from tests.support.rollout_runs import TASK_WAIT, coding_task
 
 pytestmark = [pytest.mark.harness, pytest.mark.engine]
 
@@ -96,7 +96,7 @@ def _children(pid: int) -> list[psutil.Process]:
         return []
 
 
-def test_a_node_on_a_disk_the_head_cannot_see_is_pulled_into_sql_and_trajectories(split_disk_cluster, engine_url: str, harness_installed: None) -> None:  # noqa: F811
+def test_a_node_on_a_disk_the_head_cannot_see_is_pulled_into_sql_and_trajectories(split_disk_cluster, engine_url: str, harness_installed: None) -> None:
     cluster, base, worker = split_disk_cluster
     server = start_server(cluster, engine_url, base, db=base / "store.duckdb", nodes=NODES)
     try:

@@ -20,8 +20,8 @@ import pytest
 
 from polar_mitm import store
 from polar_mitm.store import Store
+from tests.support.rows import exchange_row
 from tests.support.user_stores import UserStore, polar_mitm, user_env
-from tests.unit.test_store import exchange_row
 
 # an outside tool: the plain `duckdb` package (no polar_mitm), and pandas through it; argv: db, then the folder
 # for the one line the README gives (empty: nothing set)

@@ -209,7 +209,7 @@ def test_a_compacted_history_is_a_new_lineage_with_its_reason(make_gateway, sess
     assert [s.exchange_ids for s in sequences] == [[r["exchange_id"] for r in rows[:3]], [rows[3]["exchange_id"]]]
     # `polar-mitm diff` shows which turns were bridged, and why the last was not
     lines = [diff_cli.summary_line(diff) for diff in diff_cli.overview(gateway.db, session_id)]
-    assert [line.split("  ")[1].split(" ")[0] for line in lines] == ["extends", "extends", "BREAK"], lines
+    assert [line.split("  ")[1].split(" (")[0] for line in lines] == ["extends", "extends", "new lineage"] and "new lineage (compaction;" in lines[2], lines
     assert lines[0].endswith("; bridged") and lines[1].endswith("; bridged") and lines[2].endswith("; not bridged (compaction)"), lines
     detail = diff_cli.format_diff(diff_cli.diff_turns(gateway.db, session_id, 1))
     assert "render: tokens · seq 2 bridged" in detail and "= [2] assistant: turn's reply" in detail and "+ [3] tool" in detail, detail

@@ -17,15 +17,11 @@ import pytest
 
 from polar_mitm.assembler import assemble
 from polar_mitm.store import JSON_COLUMNS
-from tests.integration import test_harnesses
-from tests.integration.test_harnesses import check_assembly, run_harness
 from tests.support import harness_steering as steering
 from tests.support import tokens_steering
+from tests.support.harness_runs import check_assembly, run_harness
 
 HOOK = f"{Path(tokens_steering.__file__).resolve()}:two_calls"
-
-installed = test_harnesses.installed  # the install fixture, shared
-
 
 def rows_of(gateway, session_id: str) -> list[dict]:
     return [{k: json.loads(v) if k in JSON_COLUMNS and isinstance(v, str) else v for k, v in row.items()} for row in gateway.exchanges(session_id)]

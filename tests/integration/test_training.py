@@ -8,12 +8,18 @@ engine venv's torch + transformers + peft, run as a subprocess that imports only
 from __future__ import annotations
 
 import json
+import os
+import re
+import shlex
+import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import httpx
 import openai
+import pytest
 
 from polar_mitm.client import GatewayControl, load_batch
 from polar_mitm.local_engine import build
@@ -123,7 +129,8 @@ def test_grpo_loop_closes_three_steps(lora_engine: str, trainer_python: str, mak
     status = GatewayControl(gateway.proxy_url()).status()
     assert status["policy_version"] == 3 and status["engine_model"] == prefix + "3" and status["state"] == "serving", status
     rows = gateway.rows("SELECT policy_version, model_engine, count(*) AS n FROM exchanges WHERE status = 'ok' GROUP BY ALL ORDER BY policy_version")
-    assert [(r["policy_version"], r["model_engine"], r["n"]) for r in rows] == [(0, "smollm2", 4), (1, prefix + "1", 4), (2, prefix + "2", 4)], rows
+    # every call went through an adapter, the untrained one (the trainer's starting weights) at version 0
+    assert [(r["policy_version"], r["model_engine"], r["n"]) for r in rows] == [(0, prefix + "0", 4), (1, prefix + "1", 4), (2, prefix + "2", 4)], rows
     summary = json.loads((out / "summary.json").read_text())
     assert summary["final_version"] == 3 and (out / "grpo_loop.png").stat().st_size > 10_000
     # the engine's weights moved exactly when some group had a reward spread (else every advantage, so the step, is 0)
@@ -131,3 +138,125 @@ def test_grpo_loop_closes_three_steps(lora_engine: str, trainer_python: str, mak
         assert summary["probe_max_abs_change"] > 0, summary
     else:
         assert summary["probe_max_abs_change"] == 0, summary
+
+
+def grpo_loop(lora_engine: str, trainer_python: str, gateway: Gateway, out: Path, prefix: str, *options: str, steps: int = 1) -> subprocess.CompletedProcess:
+    """examples/grpo_loop.py against `gateway`, small: `steps` steps of 2 prompts x 2 samples, 14 tokens."""
+    command = [
+        trainer_python, str(ROOT / "examples" / "grpo_loop.py"), "--gateway", gateway.proxy_url(), "--confdir", str(gateway.confdir), "--db", str(gateway.db),
+        "--engine", lora_engine, "--model-dir", str(MODEL_DIR), "--out", str(out), "--polar-mitm", f"{sys.executable} -m polar_mitm.cli",
+        "--steps", str(steps), "--prompts", "2", "--samples", "2", "--max-tokens", "14", "--adapter-prefix", prefix, *options,
+    ]
+    env = {**build.engine_python_env(), "PYTHONPATH": str(ROOT)}  # as a trainer with this checkout on its path runs it
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1500, env=env, cwd=out.parent)
+    print(done.stdout[-3000:])
+    return done
+
+
+def unload_adapters(lora_engine: str, prefix: str) -> None:
+    engine = VLLMLoraEngine(lora_engine)
+    for name in [n for n in engine.served() if n.startswith(prefix)]:
+        engine.unload(name)
+
+
+def test_grpo_loop_rerun_on_a_warm_gateway_samples_the_trainers_starting_weights(lora_engine: str, trainer_python: str, make_gateway, session_id: str, tmp_path: Path) -> None:
+    """The second run of the loop against a gateway the first left serving its trained adapter: its step 0 must not be
+    sampled by that adapter (the fresh trainer is at the base weights) but by the untrained one, as a new version."""
+    gateway = make_gateway(upstream=lora_engine)
+    prefix = f"warm-{session_id[-8:]}-v"
+    try:
+        first = grpo_loop(lora_engine, trainer_python, gateway, tmp_path / "first", prefix)
+        assert first.returncode == 0, first.stderr[-4000:]
+        warm = GatewayControl(gateway.proxy_url()).status()
+        assert warm["policy_version"] == 1 and warm["engine_model"] == prefix + "1", warm
+        second = grpo_loop(lora_engine, trainer_python, gateway, tmp_path / "second", prefix)
+        served_after = VLLMLoraEngine(lora_engine).served()
+    finally:
+        unload_adapters(lora_engine, prefix)
+    assert second.returncode == 0, second.stderr[-4000:]
+    assert f"the gateway serves '{prefix}1' at policy version 1, not the trainer's starting weights: serving this run's untrained adapter as version 2" in second.stdout
+    [step] = [json.loads(line) for line in (tmp_path / "second" / "metrics.jsonl").read_text().splitlines()]
+    assert step["policy_version_sampled"] == 2 and step["mismatch"]["mean_abs"] < MEAN_TOLERANCE, step
+    rows = gateway.rows("SELECT policy_version, model_engine, count(*) AS n FROM exchanges WHERE status = 'ok' GROUP BY ALL ORDER BY policy_version")
+    assert [(r["policy_version"], r["model_engine"], r["n"]) for r in rows] == [(0, prefix + "0", 4), (2, prefix + "2", 4)], rows
+    assert [n for n in served_after if n.startswith(prefix)] == [prefix + "3"], served_after  # the earlier run's adapter is unloaded
+
+
+def test_grpo_loop_stops_when_the_mismatch_passes_its_tolerance(lora_engine: str, trainer_python: str, make_gateway, session_id: str, tmp_path: Path) -> None:
+    """--max-mismatch below the bf16-vs-fp32 level every step has (mean |Δ| 0.02-0.064): the loop must stop at step 0,
+    exit 1 with one line, and sync nothing."""
+    gateway = make_gateway(upstream=lora_engine)
+    prefix = f"tol-{session_id[-8:]}-v"
+    try:
+        done = grpo_loop(lora_engine, trainer_python, gateway, tmp_path / "run", prefix, "--max-mismatch", "0.001", steps=2)
+    finally:
+        unload_adapters(lora_engine, prefix)
+    assert done.returncode == 1, (done.returncode, done.stderr[-4000:])
+    last = done.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(rf"grpo_loop: step 0: train/inference mismatch mean \|Δ logprob\| 0\.\d+ \(max \d+\.\d+\) passes --max-mismatch 0\.001: .*\({prefix}0\) with the trainer's weights; stopped before the update", last), last
+    assert "Traceback" not in done.stderr, done.stderr[-4000:]
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == ""
+    status = GatewayControl(gateway.proxy_url()).status()
+    assert status["policy_version"] == 0 and status["engine_model"] == prefix + "0" and status["state"] == "serving", status
+
+
+DOCUMENTED_ENGINE = "http://127.0.0.1:8012/v1"
+DOCUMENTED_GATEWAY_PORT = 8090
+
+
+def documented_commands(document: Path, after: str) -> list[str]:
+    """The command lines of the first ``` block after the line `after`, backslash continuations joined."""
+    text = document.read_text()
+    block = re.search(r"```\n(.*?)```", text[text.index(after):], re.DOTALL)
+    assert block, f"no code block after {after!r} in {document}"
+    return [line.strip() for line in block.group(1).replace("\\\n", " ").splitlines() if line.strip()]
+
+
+def test_the_grpo_example_commands_run_as_documented_from_a_fresh_folder(lora_engine: str, tmp_path: Path) -> None:
+    """docs/training.md's commands for examples/grpo_loop.py, each line run by bash as printed, in a folder outside
+    the checkout; `polar-mitm` is the checkout venv's (on PATH, as after activating it), REPO the checkout, no
+    PYTHONPATH. The gateway line runs in the background until the loop is done."""
+    if lora_engine != DOCUMENTED_ENGINE or build.engine_home() != Path("~/.cache/polar-mitm").expanduser().resolve():
+        pytest.skip(f"the documented commands name the engine at {DOCUMENTED_ENGINE} and the engine home ~/.cache/polar-mitm")
+    lines = documented_commands(ROOT / "docs" / "training.md", "## The GRPO loop")
+    docstring = " ".join(re.sub(r"\\+\n", " ", (ROOT / "examples" / "grpo_loop.py").read_text().split('"""')[1]).split())  # \\ in its source
+    for line in lines:
+        assert " ".join(line.split()) in docstring, f"the example's docstring lacks the documented line {line!r}"
+    [gateway_line] = [line for line in lines if line.startswith("polar-mitm gateway")]
+    assert f"--port {DOCUMENTED_GATEWAY_PORT}" in gateway_line
+    with socket.socket() as probe:
+        assert probe.connect_ex(("127.0.0.1", DOCUMENTED_GATEWAY_PORT)) != 0, f"port {DOCUMENTED_GATEWAY_PORT} is taken; the documented gateway cannot start"
+    work = tmp_path / "work"
+    work.mkdir()
+    assert not work.resolve().is_relative_to(ROOT)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "POLAR_MITM_GATEWAY")}
+    env.update(REPO=str(ROOT), PATH=os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", os.defpath)]))
+
+    def bash(line: str, **options) -> subprocess.Popen:
+        return subprocess.Popen(["bash", "-c", line], cwd=work, env=env, text=True, stdin=subprocess.DEVNULL, **options)
+
+    gateway: subprocess.Popen | None = None
+    try:
+        for line in lines:
+            if line == gateway_line:
+                gateway = bash(line, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+                started = gateway.stdout.readline()
+                assert f"listening on http://127.0.0.1:{DOCUMENTED_GATEWAY_PORT}, store {work / 'grpo.duckdb'}" in started, started + gateway.stdout.read() if gateway.poll() is not None else started
+                continue
+            step = bash(line, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            stdout, stderr = step.communicate(timeout=1200)
+            print(f"$ {line}\n{stdout[-2000:]}")
+            assert step.returncode == 0, f"{line}\nexit {step.returncode}\n{stdout[-3000:]}\n{stderr[-3000:]}"
+            assert "Traceback" not in stderr, stderr[-3000:]
+    finally:
+        if gateway is not None:
+            os.killpg(gateway.pid, signal.SIGINT)
+            gateway.wait(timeout=60)
+        unload_adapters(lora_engine, "policy-v")
+    [loop_argv] = [shlex.split(line) for line in lines if "grpo_loop.py" in line]
+    out, steps = work / loop_argv[loop_argv.index("--out") + 1], int(loop_argv[loop_argv.index("--steps") + 1])
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(metrics) == steps and summary["final_version"] == summary["first_version"] + steps, summary
+    assert all(m["mismatch"]["mean_abs"] < MEAN_TOLERANCE for m in metrics), metrics
+    assert (out / "grpo_loop.png").stat().st_size > 10_000 and (work / "grpo.duckdb").exists() and (work / "grpo-conf").is_dir()

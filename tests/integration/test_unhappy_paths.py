@@ -219,7 +219,7 @@ def test_a_second_gateway_on_the_same_store_says_so_and_leaves_the_first_alone(m
     result = cli(*gateway_args(free_port(), tmp_path / "confdir", engine_url, db=str(first.db)), cwd=tmp_path)
     assert result.returncode == 1
     line = one_line(result)
-    assert f"cannot open the store {first.db}" in line and "lock" in line
+    assert f"cannot open the store {first.db}" in line and "holds this store" in line
     assert store.control_file(first.db).read_text() == control  # still the first gateway's SQL endpoint
     assert first.rows("SELECT count(*) AS n FROM exchanges")[0]["n"] >= 0
 
@@ -246,7 +246,7 @@ def test_a_start_says_where_it_listens_the_store_and_the_engines_model_and_a_sig
         return process, process.stdout.readline().strip()
 
     process, line = start()
-    assert line == f"polar-mitm gateway: listening on http://127.0.0.1:{port}, store {tmp_path / 'mine.duckdb'}, engine vllm {engine_url} serving 'qwen3-tiny'"
+    assert line == f"polar-mitm gateway: listening on http://127.0.0.1:{port}, store {tmp_path / 'mine.duckdb'}, engine vllm {engine_url} serving 'qwen3-tiny', render chat"
     control = store.control_file(tmp_path / "mine.duckdb")
     assert json.loads(control.read_text())["pid"] == process.pid
     os.killpg(process.pid, signal.SIGKILL)

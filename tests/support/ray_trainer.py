@@ -22,8 +22,8 @@ from typing import Any
 import ray
 
 from polar_mitm.rollout.models import TaskRequest
+from polar_mitm.rollout.ray.config import NAMESPACE
 from polar_mitm.rollout.ray_cluster import ClusterConfig, RolloutCluster
-from polar_mitm.rollout.ray_node import NAMESPACE
 
 
 async def run(cluster: RolloutCluster, tasks: list[TaskRequest]) -> dict[str, Any]:

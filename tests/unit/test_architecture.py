@@ -205,3 +205,81 @@ def test_the_store_imports_no_assembler_module():
     assert done.returncode == 0, done.stderr
     imported = json.loads(done.stdout.strip().splitlines()[-1])
     assert not [m for m in imported if m.startswith("polar_mitm.assembler")], f"the store imported {imported}"
+
+
+# -- module length: no module over LONGEST lines unless its docstring says why
+
+LONGEST = 500
+LENGTH_MARKER = "Length:"  # a docstring line starting with it gives the reason a module is longer (one cohesive unit)
+
+
+def long_modules_without_a_reason(modules: dict[str, Path], longest: int = LONGEST) -> dict[str, int]:
+    """Modules over `longest` lines whose docstring has no line starting with LENGTH_MARKER: name -> lines."""
+    found = {}
+    for name, path in modules.items():
+        text = path.read_text()
+        lines = text.count("\n") + (not text.endswith("\n"))
+        docstring = ast.get_docstring(ast.parse(text, str(path))) or ""
+        if lines > longest and not any(line.strip().startswith(LENGTH_MARKER) for line in docstring.splitlines()):
+            found[name] = lines
+    return found
+
+
+def test_the_length_check_counts_lines_and_reads_the_marker(tmp_path: Path) -> None:
+    short, long, explained = tmp_path / "short.py", tmp_path / "long.py", tmp_path / "explained.py"
+    short.write_text('"""Short."""\n' + "x = 1\n" * 3)
+    long.write_text('"""Long."""\n' + "x = 1\n" * 10)
+    explained.write_text(f'"""Long.\n\n{LENGTH_MARKER} one grammar, read top to bottom.\n"""\n' + "x = 1\n" * 10)
+    assert long_modules_without_a_reason({"short": short, "long": long, "explained": explained}, longest=5) == {"long": 11}
+
+
+def test_no_module_is_over_500_lines_without_a_reason_in_its_docstring() -> None:
+    offending = long_modules_without_a_reason(_modules())
+    assert not offending, f"over {LONGEST} lines, and no '{LENGTH_MARKER} ...' line in the docstring says why: {offending}"
+
+
+# -- Ray: imported only inside polar_mitm/rollout/ray/, and there only lazily
+
+RAY_PACKAGE = "polar_mitm.rollout.ray"
+
+
+def _ray_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    return [
+        node for node in ast.walk(tree)
+        if (isinstance(node, ast.Import) and any(a.name == "ray" or a.name.startswith("ray.") for a in node.names))
+        or (isinstance(node, ast.ImportFrom) and not node.level and node.module and (node.module == "ray" or node.module.startswith("ray.")))
+    ]
+
+
+def test_ray_is_imported_only_inside_the_ray_package_and_only_lazily() -> None:
+    outside, at_import = [], []
+    for name, path in _modules().items():
+        tree = ast.parse(path.read_text(), str(path))
+        inside = name == RAY_PACKAGE or name.startswith(RAY_PACKAGE + ".")
+        if not inside and _ray_imports(tree):
+            outside.append(name)
+        if inside and any(node in _module_level_imports(tree) for node in _ray_imports(tree)):
+            at_import.append(name)
+    assert not outside, f"modules outside {RAY_PACKAGE} import ray: {outside}"
+    assert not at_import, f"modules of {RAY_PACKAGE} import ray when they are imported (import it inside the function that needs it): {at_import}"
+
+
+SERVER_IMPORTS = """
+import json, sys, tempfile
+from pathlib import Path
+import polar_mitm.rollout.server
+import polar_mitm.rollout.ray_cluster  # where trainers import RolloutCluster from: Ray comes with a cluster's start
+from polar_mitm.cli import build_parser
+from polar_mitm.cli import rollout as rollout_cli
+with tempfile.TemporaryDirectory() as tmp:
+    args = build_parser().parse_args(["rollout", "serve", "--upstream", "http://127.0.0.1:9/v1", "--db", str(Path(tmp) / "s.duckdb")])
+    server = rollout_cli._uvicorn_server(args, 0)  # what `polar-mitm rollout serve` builds before it serves
+    assert type(server.config.app.state.backend).__name__ == "LocalBackend"
+print(json.dumps(sorted(m for m in sys.modules if m == "ray" or m.startswith("ray."))))
+"""
+
+
+def test_the_rollout_server_without_ray_imports_no_ray_module() -> None:
+    done = subprocess.run([sys.executable, "-c", SERVER_IMPORTS], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == []

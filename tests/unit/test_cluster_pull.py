@@ -1,4 +1,4 @@
-"""A head without a shared file system: node snapshots pulled into the head's mirror (cluster_store.pull_snapshot).
+"""A head without a shared file system: node snapshots pulled into the head's mirror (store.snapshots.pull_snapshot).
 
 The node side is a real Store on disk; the head reads it only through `read_range` (what the node actor's
 `read_file` runs), from a mirror folder of its own. The Ray transport itself is covered by
@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 
 from polar_mitm import store as store_module
-from polar_mitm.rollout.cluster_store import UnionStore, pull_snapshot, read_range, snapshot_dir, snapshot_store
-from polar_mitm.store import Store, now
+from polar_mitm.store import Store, UnionStore, now, pull_snapshot, read_range, snapshot_dir
 
 
 def _fill(store: Store, first: int, count: int) -> None:
@@ -59,7 +58,7 @@ def test_pulled_snapshot_reads_like_the_node_and_pulls_each_segment_once(tmp_pat
     try:
         _fill(store, 0, 20)  # one segment of 16 rows, 4 in the journal
         _wait_for_segments(store, 1)
-        taken = snapshot_store(store.con, node_db, "n1", snapshot_dir(node_db))
+        taken = store.snapshot("n1")
         assert len(taken.exchanges) == 2 and set(taken.sizes) == {*taken.exchanges, taken.sessions}
 
         pulled = asyncio.run(pull_snapshot(taken, mirror, read, "pull"))
@@ -70,7 +69,7 @@ def test_pulled_snapshot_reads_like_the_node_and_pulls_each_segment_once(tmp_pat
 
         # more rows: the segment already mirrored is not copied again, only the new tail and sessions
         _fill(store, 20, 3)
-        again = snapshot_store(store.con, node_db, "n1", snapshot_dir(node_db))
+        again = store.snapshot("n1")
         calls.clear()
         second = asyncio.run(pull_snapshot(again, mirror, read, "pull"))
         segment = taken.exchanges[0]
@@ -90,7 +89,7 @@ def _closed_store_snapshot(node_db: Path, rows: int):
     store = Store(node_db)
     try:
         _fill(store, 0, rows)
-        return snapshot_store(store.con, node_db, node_db.stem.split(".")[-1], snapshot_dir(node_db))
+        return store.snapshot(node_db.stem.split(".")[-1])
     finally:
         store.close()
 

@@ -46,7 +46,7 @@ def test_every_addon_option_is_declared_by_load_with_the_tables_type_default_and
     declared: dict[str, tuple] = {}
 
     class Loader:
-        def add_option(self, name: str, typespec: Any, default: Any, help: str) -> None:
+        def add_option(self, name: str, typespec: Any, default: Any, help: str, choices: Any = None) -> None:
             declared[name] = (typespec, default, help)
 
     PolarAddon().load(Loader())

@@ -21,8 +21,8 @@ import pytest
 
 from polar_mitm.store import Store
 from polar_mitm.util import free_port
+from tests.support.rows import exchange_row
 from tests.support.user_stores import POLAR_MITM, polar_mitm, user_env
-from tests.unit.test_store import exchange_row
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 

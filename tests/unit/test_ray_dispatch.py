@@ -1,4 +1,4 @@
-"""The head's dispatch queue (polar_mitm/rollout/ray_cluster.py) without a cluster: admission per node, the least
+"""The head's dispatch queue (polar_mitm/rollout/ray/nodes.py) without a cluster: admission per node, the least
 filled node first, `dispatch_priority` ordering, a draining node skipped. Nodes are NodeHandles without an actor:
 admission never calls one, so what is tested is the head's own code, as it runs under `rollout serve --ray`."""
 
@@ -8,11 +8,12 @@ import asyncio
 from pathlib import Path
 
 from polar_mitm.gateway.config import GatewayConfig
-from polar_mitm.rollout.head_store import HeadStore
 from polar_mitm.rollout.models import TaskRequest
 from polar_mitm.rollout.node import NodeConfig
-from polar_mitm.rollout.ray_cluster import ClusterConfig, NodeHandle, RayNodes
-from polar_mitm.rollout.scheduler import SessionWork
+from polar_mitm.rollout.ray.config import ClusterConfig
+from polar_mitm.rollout.ray.head_store import HeadStore
+from polar_mitm.rollout.ray.nodes import NodeHandle, RayNodes
+from polar_mitm.rollout.session_run import SessionWork
 
 
 def work(session_id: str, priority: int) -> SessionWork:
@@ -74,7 +75,7 @@ def test_repeated_upstreams_and_ray_flags_reach_the_cluster_config(tmp_path: Pat
     from polar_mitm.cli import build_parser
     from polar_mitm.cli import rollout as rollout_cli
     from polar_mitm.engines import make_engine
-    from polar_mitm.engines.router import EngineRouter
+    from polar_mitm.engines.pool import EngineRouter
 
     argv = ["rollout", "serve", "--upstream", "http://127.0.0.1:9/v1", "--upstream", "http://127.0.0.1:10/v1", "--db", str(tmp_path / "s.duckdb"), "--ray", "127.0.0.1:6379"]
     args = build_parser().parse_args(argv)

@@ -6,13 +6,11 @@ import asyncio
 import json
 import math
 import os
-import random
 import signal
 import subprocess
 import sys
 import textwrap
 import time
-import uuid
 from pathlib import Path
 
 import duckdb
@@ -22,31 +20,10 @@ import pytest
 
 from polar_mitm import store
 from polar_mitm.engines.base import WireJSON, _decode
-from polar_mitm.store import ExchangeRow, Store, now
+from polar_mitm.store import ExchangeRow, Store
+from tests.support.rows import exchange_row
 
 CONTRACT_TYPES = {name: kind.split()[0].replace("TIMESTAMPTZ", "TIMESTAMP WITH TIME ZONE") for name, kind in store.EXCHANGE_COLUMNS.items()}
-
-
-def exchange_row(session: str, seq: int, prompt_len: int = 2000, rng: random.Random | None = None) -> ExchangeRow:
-    """A row shaped like the gateway's: the engine reply as its wire text, prompt ids parsed from it."""
-    rng = rng or random.Random(seq)
-    prompt = [rng.randrange(150_000) for _ in range(prompt_len)]
-    sampled = [rng.randrange(150_000) for _ in range(12)]
-    logprobs = [-rng.random() * 5 for _ in sampled]
-    reply = _decode(orjson.dumps({
-        "id": f"chatcmpl-{seq}", "prompt_token_ids": prompt,
-        "choices": [{"message": {"content": "ok"}, "token_ids": sampled, "logprobs": {"content": [{"token": "t", "logprob": lp} for lp in logprobs]}}],
-    }).decode())
-    return {
-        "exchange_id": str(uuid.uuid4()), "session_id": session, "seq": seq, "api": "openai_chat", "action": "generate",
-        "stream": seq % 2 == 0, "status": "ok", "http_status": 200, "model_requested": "gpt-4o", "harness": "qwen",
-        "request_headers": {"user-agent": "t"}, "request_body": json.dumps({"messages": [{"role": "user", "content": f"turn {seq} \"quoted\" é"}]}),
-        "ignored_fields": ["metadata", "a,b"], "normalizations": [], "engine_request": WireJSON({"model": "m", "messages": []}),
-        "engine_response": reply, "response_body": {"choices": [{"message": {"content": "ok"}}]},
-        "prompt_token_ids": reply["prompt_token_ids"], "completion_token_ids": sampled, "completion_logprobs": logprobs,
-        "finish_reason": "stop", "prompt_tokens": prompt_len, "completion_tokens": len(sampled),
-        "started_at": now(), "ended_at": now(),
-    }
 
 
 def comparable(row: dict) -> dict:

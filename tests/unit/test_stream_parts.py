@@ -12,7 +12,7 @@ from polar_mitm import dialects
 from polar_mitm.dialects import Dialect, read_reply
 from polar_mitm.dialects.common import sse_events
 from polar_mitm.exchange import DialectError, StreamState
-from tests.unit.test_dialect_protocol import COMPLETION, parsed_request
+from tests.support.dialect_samples import COMPLETION, parsed_request
 
 APIS = list(dialects.DIALECTS)
 ENGINE_FAILURE = DialectError(502, "engine_error", "the inference engine failed with HTTP 500: boom")

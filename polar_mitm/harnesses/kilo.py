@@ -1,0 +1,72 @@
+"""Kilo Code CLI (`@kilocode/cli`, an OpenCode fork): Google's generateContent, through its built-in `google` provider.
+
+`kilo run` headless with `google/<model>` of the catalog bundled in the binary: `@ai-sdk/google` calls
+https://generativelanguage.googleapis.com/v1beta/models/<model>:streamGenerateContent?alt=sse; no base URL is set.
+A Bun binary (behind a Node launcher): HTTPS_PROXY, NO_PROXY and NODE_EXTRA_CA_CERTS as for OpenCode. Its user
+agent is `Kilo-Code/<version> ai-sdk/...` for this provider. 7.7.7 is pinned: 7.8.1, the newest, was published
+without its `@kilocode/cli-linux-x64*` binary packages, so it cannot install on Linux.
+
+What the preset adds: the catalog fetch, auto-update, PostHog telemetry, session ingest, codebase indexing, the
+background daemon and sharing off; `small_model` pinned to the same model; `--auto` approves its tools; `--title`
+names the session (no title-generation side call). Its Kilo-provider model list fetch (api.kilo.ai) gets the
+gateway's local 404, which it tolerates. Its bash tool runs in its own bundled bubblewrap sandbox. Its turns
+always stream.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+from polar_mitm.harnesses import PLACEHOLDER_API_KEY, Harness
+
+PROVIDER = "google"
+QUIET = {
+    "KILO_DISABLE_MODELS_FETCH": "1",
+    "KILO_DISABLE_AUTOUPDATE": "1",
+    "KILO_TELEMETRY_LEVEL": "off",  # PostHog is on only for "all"
+    "KILO_DISABLE_SESSION_INGEST": "1",
+    "KILO_DISABLE_CODEBASE_INDEXING": "1",
+    "KILO_DISABLE_LSP_DOWNLOAD": "1",
+    "KILO_DISABLE_SHARE": "1",
+    "KILO_NO_DAEMON": "1",
+}
+
+
+def qualified(model: str) -> str:
+    return model if "/" in model else f"{PROVIDER}/{model}"
+
+
+class Kilo(Harness):
+    name = "kilo"
+    api = "gemini"
+    binary = "kilo"
+    package = "@kilocode/cli@7.7.7"
+    shell_tool = "bash"
+    shell_argument = "command"
+    default_model = "gemini-2.5-flash"
+
+    def arguments(self, instruction: str, model: str | None) -> list[str]:
+        return ["run", "--format", "json", "--auto", "--title", "polar-mitm", *(["--model", qualified(model)] if model else []), instruction]
+
+    def environment(self, home: str | Path, model: str | None = None, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        env = super().environment(home, model, base)
+        # `run` works in $PWD before its cwd: a caller's stale PWD (a process started with another cwd) would be
+        # the project its tools write into
+        env.pop("PWD", None)
+        return env
+
+    def preset_environment(self, home: Path, model: str | None) -> dict[str, str]:
+        return {"GOOGLE_GENERATIVE_AI_API_KEY": PLACEHOLDER_API_KEY, **QUIET}
+
+    def write_config(self, home: Path, model: str | None) -> None:
+        config: dict[str, object] = {"$schema": "https://app.kilo.ai/config.json", "autoupdate": False, "share": "disabled"}
+        if model:
+            config.update(model=qualified(model), small_model=qualified(model))
+        path = home / ".config" / "kilo" / "kilo.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+HARNESS = Kilo()

@@ -1,0 +1,17 @@
+"""The rollout server scaled out on Ray: one gateway node actor per Ray node, the head dispatching sessions to them.
+
+    config.py      ClusterConfig, the names nodes and head agree on (resource, label, namespace)
+    actor.py       NodeActor: a GatewayNode on one Ray node
+    nodes.py       the head's node handles: membership, dispatch, failure, control fan-out
+    data.py        the head's reads of every node's store: snapshots, catalog, task export, SQL
+    head_store.py  the head's durable state (tasks, session states, deliveries)
+    head.py        RayScheduler and RolloutCluster (the Backend of `rollout serve --ray`, the trainer's entry point)
+
+Ray itself is imported only inside functions of this package, when a cluster starts: importing it (or the rollout
+server) imports no Ray module.
+"""
+
+from polar_mitm.rollout.ray.config import ClusterConfig
+from polar_mitm.rollout.ray.head import RolloutCluster
+
+__all__ = ["ClusterConfig", "RolloutCluster"]

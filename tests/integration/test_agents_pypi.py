@@ -1,0 +1,173 @@
+"""The PyPI coding agents, unmodified, through the gateway: a real action that really runs, in both render modes.
+
+Each agent runs headless from its pinned venv (sandboxes/agents-py/install.sh) through `polar-mitm run --harness
+NAME` (proxy settings only, no base-URL change) in a temp workspace with a private HOME, steered by
+tests/support/agent_steering_py.py (a regex on the output only: the agent's own output budget and sampling). The
+action must really run (the proof file exists with its content), the agent exit 0, and the store hold exactly its
+model calls, with its `api` and `harness`, token ids equal to the engine's, assembling with every sampled token in
+exactly one sequence.
+
+The default suite runs one action per agent in chat mode. POLAR_MITM_FULL_MATRIX=1 adds, per agent, a run of two
+actions (write, read back) in chat mode and in `--render tokens`, where every turn extending an earlier one must
+be bridged and every lineage assemble into one sequence; `merge:` lines give docs/agents.md's counts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from polar_mitm import harnesses
+from polar_mitm.assembler import assemble
+from polar_mitm.store import JSON_COLUMNS
+from tests.support import agent_steering_py as steering
+from tests.support.harness_runs import REPO, check_assembly, run_harness
+from tests.support.harness_steering import PROOF_CONTENT, PROOF_FILE, proof_command
+from tests.support.tokens_steering import CHECK_COMMAND
+
+INSTALL = REPO / "sandboxes" / "agents-py" / "install.sh"
+HOOKS = {name: f"{Path(steering.__file__).resolve()}:{name}" for name in ("steer", "two_calls")}
+FULL_MATRIX = os.environ.get("POLAR_MITM_FULL_MATRIX") == "1"
+full_matrix = pytest.mark.skipif(not FULL_MATRIX, reason="the full agent matrix runs with POLAR_MITM_FULL_MATRIX=1")
+
+
+@dataclass(frozen=True)
+class Expect:
+    """What one agent's run looks like: `stream` its agent turns' streaming; `tool_calls` whether it acts by tool
+    calls (aider's actions are edits in its reply text); `ending` the turn its loop takes as the end: a plain text
+    ("text"), or a tool call (name, arguments): mini's COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT, gptme's `complete`;
+    `side_calls` its calls outside the agent loop (requests without its tools)."""
+
+    stream: bool
+    tool_calls: bool = True
+    ending: str | tuple[str, dict] = "text"
+    side_calls: int = 0
+    proof: str = PROOF_CONTENT  # the proof file's content (a whole-file edit ends in a newline)
+
+
+AGENTS = {
+    "mini-swe-agent": Expect(stream=False, ending=("bash", {"command": steering.MINI_SUBMIT})),
+    "aider": Expect(stream=True, tool_calls=False, proof=PROOF_CONTENT + "\n"),
+    "openhands": Expect(stream=False),
+    "hermes": Expect(stream=True),
+    "gptme": Expect(stream=True, ending=("complete", {}), side_calls=1),  # a conversation title, not streamed
+}
+
+
+@pytest.fixture
+def agent_installed(request: pytest.FixtureRequest) -> str:
+    """Install the test's agent (idempotent: seconds when it is there; minutes from PyPI on a fresh machine)."""
+    name = request.node.callspec.params["name"]
+    try:
+        result = subprocess.run([str(INSTALL), name], capture_output=True, text=True, timeout=1800)
+    except subprocess.TimeoutExpired:
+        pytest.skip(f"{INSTALL.name} {name} did not finish within 30 minutes")
+    if result.returncode != 0:
+        pytest.skip(f"{INSTALL.name} {name} failed (exit {result.returncode}); the agent cannot be installed here:\n{result.stderr[-2000:]}")
+    return name
+
+
+def rows_of(gateway, session_id: str) -> list[dict]:
+    return [{k: json.loads(v) if k in JSON_COLUMNS and isinstance(v, str) else v for k, v in row.items()} for row in gateway.exchanges(session_id)]
+
+
+def check_agent_run(gateway, name: str, session_id: str, workdir: Path, result: subprocess.CompletedProcess, commands: tuple[str, ...], mode: str) -> list[dict]:
+    """The bar of tests/support/harness_runs.py:check_run, for an agent's own way of acting and finishing."""
+    harness, expect = harnesses.get(name), AGENTS[name]
+    report = f"{mode}: exit {result.returncode}\n--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-3000:]}"
+    assert result.returncode == 0, report
+    assert f"session {session_id}" in result.stderr
+    proof = workdir / "workspace" / PROOF_FILE
+    assert proof.exists(), f"the action never ran\n{report}"
+    assert proof.read_text() == expect.proof
+
+    # every exchange of this private gateway is this session's, each a model call served in full
+    assert [r["session_id"] for r in gateway.rows("SELECT DISTINCT session_id FROM exchanges")] == [session_id]
+    rows = rows_of(gateway, session_id)
+    summary = [(r["seq"], r["status"], r["path"], r["stream"], r["finish_reason"], r["harness"]) for r in rows]
+    assert [r["seq"] for r in rows] == list(range(1, len(rows) + 1)), summary
+    assert all(r["status"] == "ok" and r["http_status"] == 200 and r["render_mode"] == mode for r in rows), summary
+    assert {r["api"] for r in rows} == {harness.api}, summary
+    assert {r["harness"] for r in rows} == {name}, summary  # told apart by the user agent its preset sets
+    for row in rows:
+        engine = row["engine_response"]
+        assert row["completion_token_ids"] == engine["choices"][0]["token_ids"]
+        assert row["prompt_token_ids"] == engine["prompt_token_ids"]
+        assert len(row["completion_logprobs"]) == len(row["completion_token_ids"]) > 0
+        assert row["engine_request"]["structured_outputs"]["regex"]  # the steering is on the record
+
+    if not expect.tool_calls:  # one reply per message, its edit applied by the agent
+        assert len(rows) == 1 and rows[0]["finish_reason"] == "stop" and rows[0]["stream"] is expect.stream, summary
+        assert rows[0]["engine_response"]["choices"][0]["message"]["content"] == steering.AIDER_EDIT
+        return rows
+    turns = [r for r in rows if harness.shell_tool in [(t.get("function") or {}).get("name") for t in r["engine_request"].get("tools") or []]]
+    assert len(rows) - len(turns) == expect.side_calls, summary
+    assert {r["stream"] for r in turns} == {expect.stream}, summary
+    calls = [(harness.shell_tool, {harness.shell_argument: command}) for command in commands]
+    assert len(turns) == len(calls) + 1, summary
+    if expect.ending != "text":
+        calls.append(expect.ending)
+    for turn, (tool, arguments) in zip(turns, calls, strict=False):
+        assert turn["finish_reason"] == "tool_calls", summary
+        [call] = turn["engine_response"]["choices"][0]["message"]["tool_calls"]
+        assert (call["function"]["name"], json.loads(call["function"]["arguments"])) == (tool, arguments)
+    if expect.ending == "text":
+        assert turns[-1]["finish_reason"] == "stop", summary
+        assert turns[-1]["engine_response"]["choices"][0]["message"]["content"] == steering.FINAL_TEXT
+    # each later turn carries the results back
+    for done, turn in enumerate(turns[1:], start=1):
+        assert sum(m["role"] == "tool" for m in turn["engine_request"]["messages"]) == done, summary
+    return rows
+
+
+def run_agent(make_gateway, name: str, session_id: str, workdir: Path, mode: str, hook: str, commands: tuple[str, ...]) -> tuple[list[dict], int]:
+    """One steered run of `name` on a fresh gateway in render `mode`: its rows, and the sequences they assemble to."""
+    gateway = make_gateway("--render", mode, "--engine-hook", HOOKS[hook])
+    workdir.mkdir()
+    started = time.monotonic()
+    result = run_harness(gateway, name, session_id, workdir)
+    rows = check_agent_run(gateway, name, session_id, workdir, result, commands, mode)
+    check_assembly(gateway, session_id, rows)
+    sequences = len(assemble(gateway.db, builder="prefix_merging", session=session_id).sequences)
+    print(f"\nagent: {name} mode={mode} hook={hook} exchanges={len(rows)} sequences={sequences} {time.monotonic() - started:.1f}s")
+    return rows, sequences
+
+
+@pytest.mark.harness
+@pytest.mark.parametrize("name", list(AGENTS))
+def test_agent_one_action(agent_installed, make_gateway, name: str, session_id: str, tmp_path) -> None:
+    run_agent(make_gateway, name, session_id, tmp_path / "chat", "chat", "steer", (proof_command(),))
+
+
+@full_matrix
+@pytest.mark.harness
+@pytest.mark.parametrize("name", list(AGENTS))
+def test_agent_two_actions_in_both_modes(agent_installed, make_gateway, name: str, session_id: str, tmp_path) -> None:
+    commands = (proof_command(), CHECK_COMMAND)
+    rows, sequences = run_agent(make_gateway, name, session_id, tmp_path / "tokens", "tokens", "two_calls", commands)
+    chat_rows, chat_sequences = run_agent(make_gateway, name, session_id, tmp_path / "chat", "chat", "two_calls", commands)
+    first_turns = [r for r in rows if r["bridge_reason"] == "first_turn"]
+    append_only = [r for r in rows if r["bridge_reason"] != "first_turn"]
+    assert all(r["bridged"] for r in append_only), [(r["seq"], r["bridged"], r["bridge_reason"]) for r in rows]
+    assert sequences == len(first_turns)  # one sequence per lineage
+    if AGENTS[name].tool_calls:
+        assert len(append_only) >= 2
+    print(f"\nmerge: {name} exchanges={len(rows)} lineages={len(first_turns)} append_only={len(append_only)} "
+          f"tokens: bridged={sum(bool(r['bridged']) for r in append_only)} sequences={sequences} | "
+          f"chat: exchanges={len(chat_rows)} merged={len(chat_rows) - chat_sequences} sequences={chat_sequences}")
+
+
+def test_python_agent_presets_keep_the_provider_host_and_their_own_interpreter():
+    """No preset points an agent past the proxy, and none lets the caller's Python packages into the agent's venv."""
+    base = {"PATH": "/usr/bin", "OPENAI_BASE_URL": "http://elsewhere", "PYTHONPATH": "/repo", "VIRTUAL_ENV": "/repo/.venv"}
+    for name in AGENTS:
+        env = harnesses.get(name).environment("/tmp/polar-home", None, base=base)
+        assert not set(env) & {*harnesses.BASE_URL_VARIABLES, "PYTHONPATH", "VIRTUAL_ENV"}, name
+        assert env["HOME"] == "/tmp/polar-home" and env["PATH"].endswith("/usr/bin")
+        assert env["PATH"].split(":")[0].endswith("/harnesses/py/bin"), name
