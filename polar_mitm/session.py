@@ -50,15 +50,20 @@ HARNESS_USER_AGENTS = (
     ("openhands", "openhands"),
     ("hermes-agent", "hermes"),
     ("gptme", "gptme"),
-    # the npm agents (docs/agents.md): their own user agents, or ones their presets set (Cline, Continue CLI)
+    ("kimicli", "kimi"),
+    # the npm agents (docs/agents.md): their own user agents, or ones their presets set (Cline, Continue CLI, OpenClaw)
     ("opencode/", "opencode"),
     ("kilo-code/", "kilo"),
     ("kilo/", "kilo"),
     ("cline/", "cline"),
     ("continue-cli/", "continue-cli"),
+    ("openclaw/", "openclaw"),
 )
 # user agents told apart only by how they start (Pi's `pi/<version> (...)`: "pi/" inside would match "api/...")
 HARNESS_USER_AGENT_PREFIXES = (("pi/", "pi"),)
+# an agent whose client rewrites any user agent its config sets (Mistral Vibe: the Mistral SDK's) names itself in
+# an X-Title header (OpenRouter's app-attribution header) its preset sets instead; exact titles only
+HARNESS_TITLES = (("mistral-vibe", "vibe"),)
 
 
 def load_secret(confdir: str | Path) -> bytes:
@@ -110,3 +115,9 @@ def harness_from_user_agent(user_agent: str | None) -> str | None:
         if lowered.startswith(prefix):
             return harness
     return None
+
+
+def harness_from_headers(headers: dict[str, str]) -> str | None:
+    """The harness a request's headers (lower-cased names) name: by its user agent, else by its X-Title."""
+    title = (headers.get("x-title") or "").strip().lower()
+    return harness_from_user_agent(headers.get("user-agent")) or next((h for t, h in HARNESS_TITLES if t == title), None)

@@ -48,8 +48,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--gateway", help=f"gateway URL (default: $POLAR_MITM_GATEWAY, <confdir>/{GATEWAY_FILE}, else {DEFAULT_GATEWAY})")
     parser.add_argument("--session", help="session id the exchanges are recorded under (default: a new one)")
     from polar_mitm.harnesses import NAMES as HARNESS_NAMES  # the registry: every preset, npm and PyPI
+    from polar_mitm.harnesses.custom import NAME as CUSTOM  # no preset: only the part every preset shares
 
-    parser.add_argument("--harness", choices=HARNESS_NAMES, help="apply this harness's preset (env, config files in a private HOME)")
+    parser.add_argument("--harness", choices=[*HARNESS_NAMES, CUSTOM], help=f"apply this harness's preset (env, config files in a private HOME); {CUSTOM}: an agent without one, only what every preset shares (docs/agents.md)")
     parser.add_argument("--model", help="with --harness: the model name the harness asks for (default: the preset's)")
     parser.add_argument("--home", type=Path, help="with --harness: the HOME to prepare and keep (default: a temporary one, removed afterwards)")
     parser.add_argument("--confdir", default=DEFAULT_CONFDIR, help=f"the gateway's confdir: its CA and session secret (default {DEFAULT_CONFDIR})")
@@ -75,8 +76,9 @@ def _run(args: argparse.Namespace) -> int:
         check_gateway(env["HTTPS_PROXY"])
         if args.harness:
             from polar_mitm import harnesses
+            from polar_mitm.harnesses import custom
 
-            harness = harnesses.get(args.harness)
+            harness = custom.HARNESS if args.harness == custom.NAME else harnesses.get(args.harness)
             home = args.home or Path(temporary_home := tempfile.mkdtemp(prefix=f"polar-{args.harness}-home-"))
             harness.prepare_home(home, args.model)
             # its PATH leads with the pinned install: `-- qwen ...` runs that one, not the caller's `qwen`

@@ -148,9 +148,10 @@ def stream_body(parsed: ParsedRequest, state: StreamState, completion: Completio
     if completion.content:
         logprobs = {"content": completion.logprobs_content} if parsed.render.get("logprobs") else None
         parts.append(_chunk(parsed, state, {"content": completion.content}, logprobs=logprobs))
+    # each call whole in one delta, as vLLM and Mistral's API send them: clients that accumulate deltas (the OpenAI
+    # SDKs) take it as they take split ones, and Mistral's SDK (Mistral Vibe) requires the name in every tool delta
     for index, call in enumerate(completion.tool_calls):
-        parts.append(_chunk(parsed, state, {"tool_calls": [{"index": index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}]}))
-        parts.append(_chunk(parsed, state, {"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]}))
+        parts.append(_chunk(parsed, state, {"tool_calls": [{"index": index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]}))
     parts.append(_chunk(parsed, state, {}, finish_reason=completion.finish_reason))
     if parsed.render.get("include_usage"):
         parts.append(sse(None, {"id": state.id, "object": "chat.completion.chunk", "created": state.created, "model": parsed.model, "choices": [], "usage": _usage(completion)}))

@@ -55,10 +55,13 @@ STREAM_HOLD_S = 0.3
 
 
 class PolarAddon:
-    def __init__(self, start_line: TextIO | None = None) -> None:
+    def __init__(self, start_line: TextIO | None = None, rollout_node: bool = False) -> None:
         # where the one 'listening on ...' line goes: stdout for `polar-mitm gateway`; a rollout node's in-process
         # gateway sends it to stderr, so the command's own output (its results table) stays clean
         self.start_line = start_line
+        # a rollout server's own gateway: announced as a node, which default discovery (`polar-mitm run`) skips,
+        # since its store is the rollout server's
+        self.rollout_node = rollout_node
         self.store: Store | None = None
         self.engine: EngineClient | None = None
         self.secret: bytes = b""
@@ -210,7 +213,7 @@ class PolarAddon:
     def _announce(self) -> None:
         """Leave the proxy URL in the confdir, so `polar-mitm run` finds this gateway without flags."""
         if url := self.proxy_url():
-            self.announced = (routing.announce_gateway(ctx.options.confdir, url, Path(ctx.options.polar_db).resolve()), url)
+            self.announced = (routing.announce_gateway(ctx.options.confdir, url, Path(ctx.options.polar_db).resolve(), node=self.rollout_node), url)
 
     async def done(self) -> None:
         if self.announced is not None:

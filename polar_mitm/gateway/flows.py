@@ -50,7 +50,7 @@ def request_row(flow: http.HTTPFlow, api: str, path: str, session_id: str, seq: 
         "method": flow.request.method,
         "host": flow.request.pretty_host,
         "path": path + ("?" + redact.redact_query(flow.request.url.split("?", 1)[1]) if "?" in flow.request.url else ""),
-        "harness": session.harness_from_user_agent(user_agent),
+        "harness": session.harness_from_headers(header_map),
         "user_agent": user_agent,
         "lineage": session.lineage(header_map),
         "retry_count": _int_or_none(header_map.get("x-stainless-retry-count")),

@@ -67,8 +67,9 @@ class _NoModeHint(logging.Filter):
         return True
 
 
-def make_master(config: GatewayConfig, start_line: TextIO | None = None):
-    """The gateway's mitmproxy master; `start_line`: where its 'listening on ...' line goes (default stdout)."""
+def make_master(config: GatewayConfig, start_line: TextIO | None = None, rollout_node: bool = False):
+    """The gateway's mitmproxy master; `start_line`: where its 'listening on ...' line goes (default stdout);
+    `rollout_node`: a rollout server's own gateway (left out of default discovery)."""
     opts = options.Options(listen_host=config.host, listen_port=config.port, confdir=str(Path(config.confdir).expanduser()))
     if config.web:
         from mitmproxy.tools.web.master import WebMaster
@@ -81,7 +82,7 @@ def make_master(config: GatewayConfig, start_line: TextIO | None = None):
     else:
         master = mitmproxy_master.Master(opts, with_termlog=config.verbose)
         master.addons.add(*gateway_addons())
-    master.addons.add(PolarAddon(start_line))
+    master.addons.add(PolarAddon(start_line, rollout_node))
     from polar_mitm.gateway import contentview
 
     contentview.register()

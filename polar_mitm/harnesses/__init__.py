@@ -129,9 +129,9 @@ class Harness:
 
 # one module per harness, each defining HARNESS (a Harness subclass instance); imported on first use
 # the npm agents beyond the first four (sandboxes/harnesses/install.sh, docs/agents.md)
-NPM_AGENTS = ("opencode", "pi", "cline", "kilo", "continue-cli")
+NPM_AGENTS = ("opencode", "pi", "cline", "kilo", "continue-cli", "openclaw")
 # the PyPI agents (a venv each: sandboxes/agents-py/install.sh); a module name spells the agent's `-` as `_`
-PYPI_AGENTS = ("mini-swe-agent", "aider", "openhands", "hermes", "gptme")
+PYPI_AGENTS = ("mini-swe-agent", "aider", "openhands", "hermes", "gptme", "vibe", "kimi")
 # the example agents on agent frameworks (examples/agents/, sandboxes/agents-frameworks/install.sh)
 FRAMEWORK_AGENTS = {name: f"polar_mitm.harnesses.frameworks:{name.upper().replace('-', '_')}" for name in ("openai-agents-facts", "pydantic-ai-form", "smolagents-planner")}
 HARNESSES: Registry[Harness] = Registry("harness", {**{name: f"polar_mitm.harnesses.{name.replace('-', '_')}:HARNESS" for name in ("codex", "claude", "qwen", "gemini", *NPM_AGENTS, *PYPI_AGENTS)}, **FRAMEWORK_AGENTS})

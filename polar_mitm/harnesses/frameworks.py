@@ -6,11 +6,11 @@
 
 Each is a small script, `examples/agents/<agent>/agent.py INSTRUCTION`, run by the frameworks' venv
 (sandboxes/agents-frameworks/install.sh, under `install_prefix()/py/frameworks`) in the sandbox's workdir. The
-scripts use their framework's normal OpenAI client (httpx: HTTPS_PROXY and the CA bundle in SSL_CERT_FILE
-honoured), so routing needs nothing here; a preset adds only the placeholder key the clients require and drops
-the caller's PYTHONPATH/VIRTUAL_ENV. Outside the rollout server, `polar-mitm run -- PYTHON examples/agents/...`
-runs them the same way. The scripts are the checkout's (an editable install); without them the preset is not
-installed.
+scripts use their framework's normal OpenAI client (the openai SDK on httpx2: HTTPS_PROXY and the CA bundle in
+SSL_CERT_FILE honoured), so routing needs nothing here; a preset adds only the placeholder key the clients
+require and drops the caller's PYTHONPATH/VIRTUAL_ENV. Outside the rollout server,
+`polar-mitm run -- PYTHON examples/agents/...` runs them the same way. The scripts are the checkout's (an
+editable install); without them the preset is not installed.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ ID_PATTERN = r"^[A-Za-z0-9._~+=-]{1,100}$"
 MEMORY_PATTERN = re.compile(r"^[0-9]+[bkmg]?$", re.IGNORECASE)
 DEFAULT_IMAGE = "polar-mitm/sandbox:bookworm"
 
-HarnessName = Literal["codex", "claude", "qwen", "gemini", "opencode", "pi", "cline", "kilo", "continue-cli", "openai-agents-facts", "pydantic-ai-form", "smolagents-planner"]  # polar_mitm.harnesses.NAMES; a test keeps them equal
+HarnessName = Literal["codex", "claude", "qwen", "gemini", "opencode", "pi", "cline", "kilo", "continue-cli", "openclaw", "openai-agents-facts", "pydantic-ai-form", "smolagents-planner", "mini-swe-agent", "aider", "openhands", "hermes", "gptme", "vibe", "kimi"]  # polar_mitm.harnesses.NAMES; a test keeps them equal
 
 FinalStatus = Literal["completed", "failed", "timed_out", "cancelled"]
 SessionStatus = Literal["queued", "preparing", "running", "post_run", "building", "evaluating", "completed", "failed", "timed_out", "cancelled"]

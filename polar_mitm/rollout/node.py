@@ -145,7 +145,7 @@ class InProcessGateway:
         from polar_mitm.gateway.server import make_master, release_log_handlers
 
         async def serve() -> None:
-            self.master = make_master(self.config, start_line=sys.stderr)
+            self.master = make_master(self.config, start_line=sys.stderr, rollout_node=True)
             created.set()
             await self.master.run()
 

@@ -19,7 +19,6 @@ Every name below is importable from `polar_mitm.store` as before the split.
 
 from polar_mitm.store import views
 from polar_mitm.store.by_path import live_holder, query, query_dicts
-from polar_mitm.store.sql_endpoint import READ_ONLY_STATEMENTS, check_read_only, control_file
 from polar_mitm.store.reading import ClosedStore, SnapshotSource, StorePath, StoreReader, snapshot_closed_store
 from polar_mitm.store.records import (
     BODY_FIELDS,
@@ -61,6 +60,7 @@ from polar_mitm.store.segments import (
     write_parquet,
 )
 from polar_mitm.store.snapshots import NodeData, NodeSnapshot, pull_snapshot, read_range, snapshot_dir
+from polar_mitm.store.sql_endpoint import READ_ONLY_STATEMENTS, check_read_only, control_file
 from polar_mitm.store.union import UnionStore, write_catalog
 from polar_mitm.store.writer import SESSION_ARROW_SCHEMA, Store
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import duckdb
 
-from polar_mitm.store.sql_endpoint import check_read_only, control_file
 from polar_mitm.store.segments import connect
+from polar_mitm.store.sql_endpoint import check_read_only, control_file
 
 
 def live_holder(db_path: str | os.PathLike[str]) -> dict[str, Any] | None:

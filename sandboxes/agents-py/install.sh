@@ -7,9 +7,9 @@
 #
 # Each venv installs exactly requirements/<agent>.txt, a lock of every package and version (regenerate one with
 # lock.sh after changing requirements/<agent>.in). Their pins conflict (litellm, openai, pydantic, rich, ...),
-# hence one venv each. Idempotent: an agent whose lock, this script and its Python are unchanged is skipped (a
-# second run returns in well under a second). Prints the prefix on its last line; polar_mitm.harnesses finds
-# the agents there (PythonAgent.executable).
+# hence one venv each. Idempotent: an agent whose lock, runner, Python and entry points are unchanged is skipped
+# (a second run takes about a second: finding the Pythons). Prints the prefix on its last line;
+# polar_mitm.harnesses finds the agents there (PythonAgent.executable).
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -24,7 +24,7 @@ declare -A python_range=(
   [hermes]="3.12 3.14"      # hermes-agent: <3.14
   [gptme]="3.12 3.14"
   [vibe]="3.12 3.14"        # mistral-vibe: a cp312 abi3 wheel
-  [kimi]="3.12 3.14"        # kimi-cli: >=3.12
+  [kimi]="3.13 3.14"        # kimi-cli: >=3.12; 1.51.0 fails to start on CPython 3.12.1 (TypeError in a dataclass)
 )
 # agent -> its entry points, linked into py/bin (the agent's console scripts; OpenHands SDK has none: a runner)
 declare -A entry_points=(
@@ -37,7 +37,9 @@ declare -A entry_points=(
   [kimi]="kimi"
 )
 order=(mini-swe-agent aider openhands hermes gptme vibe kimi)
+LAYOUT=1
 
+declare -A python_for=()  # range -> the Python find-python.sh picked for it, once per run
 agents=("$@")
 [[ ${#agents[@]} -eq 0 ]] && agents=("${order[@]}")
 
@@ -45,11 +47,15 @@ for agent in "${agents[@]}"; do
   [[ -n "${python_range[$agent]:-}" ]] || { echo "install.sh: unknown agent '$agent'; known: ${order[*]}" >&2; exit 2; }
   lock="$here/requirements/$agent.txt"
   venv="$prefix/$agent"
+  range="${python_range[$agent]}"
   # shellcheck disable=SC2086
-  python="$("$here/find-python.sh" ${python_range[$agent]})"
-  extras=("$here/install.sh" "$lock")
-  [[ -f "$here/runners/$agent.py" ]] && extras+=("$here/runners/$agent.py")
-  want="$(cat "${extras[@]}" | sha256sum | cut -d' ' -f1) $("$python" -c 'import sys; print("python%d.%d" % sys.version_info[:2])')"
+  [[ -n "${python_for[$range]:-}" ]] || python_for[$range]="$("$here/find-python.sh" $range)"
+  python="${python_for[$range]}"
+  inputs=("$lock")
+  [[ -f "$here/runners/$agent.py" ]] && inputs+=("$here/runners/$agent.py")
+  # what the venv is made of: its lock, its runner, its Python, its entry points and how this script builds it
+  # (LAYOUT: bump it when the steps below change), not this script's other lines
+  want="layout$LAYOUT $(cat "${inputs[@]}" | sha256sum | cut -d' ' -f1) $("$python" -c 'import sys; print("python%d.%d" % sys.version_info[:2])') ${entry_points[$agent]}"
   if [[ "$(cat "$venv/.polar-mitm-stamp" 2>/dev/null)" != "$want" ]]; then
     echo "install.sh: installing $agent into $venv ($python)" >&2
     rm -rf "$venv"

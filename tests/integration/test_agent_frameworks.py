@@ -4,12 +4,14 @@ Three small non-coding agents — the OpenAI Agents SDK (facts lookup, Responses
 Chat Completions) and smolagents (budget planning with a calculator, Chat Completions) — run from their venv
 (sandboxes/agents-frameworks/install.sh) on their framework's normal OpenAI client, routed by proxy settings only,
 steered by examples/agents/steer.py (a regex on the output only). Each one:
-  - through `polar-mitm run -- PYTHON agent.py INSTRUCTION` on the task's own files: its tool really runs (its
-    log holds the call and the result), it exits 0, the store holds exactly its two model calls with its `api`,
-    ids equal to the engine's, the session assembles with every sampled token once, and its task's evaluator,
-    on what it left, gives 1.0;
-  - through `polar-mitm rollout run TASK.yaml` (one sample): completed, reward 1.0 from its evaluator, the
-    task's trajectories exported to Parquet with the session in them.
+  - through `polar-mitm run -- PYTHON agent.py INSTRUCTION` (a `--render tokens` gateway) on the task's own
+    files: its tool really runs (its log holds the call and the result), it exits 0, the store holds exactly
+    its two model calls with its `api`, ids equal to the engine's, the session assembles with every sampled
+    token once, and its task's evaluator, on what it left, gives 1.0;
+  - through `polar-mitm rollout run TASK.yaml` (one sample, chat mode): completed, reward 1.0 from its evaluator,
+    the task's trajectories exported to Parquet with the session in them.
+Sequences per session in each mode are docs/agents.md's (SEQUENCES). The evaluators' strictness and the presets'
+environment are checked without the engine.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ AGENTS = {
 
 # sequences per session (docs/agents.md's matrix): `polar-mitm run` on a `--render tokens` gateway, the rollout
 # server in chat mode (its default)
-SEQUENCES = {"openai-agents-facts": {"tokens": 0, "chat": 0}, "pydantic-ai-form": {"tokens": 0, "chat": 0}, "smolagents-planner": {"tokens": 0, "chat": 0}}
+SEQUENCES = {"openai-agents-facts": {"tokens": 1, "chat": 2}, "pydantic-ai-form": {"tokens": 1, "chat": 2}, "smolagents-planner": {"tokens": 2, "chat": 2}}
 
 
 @pytest.fixture(scope="module")
@@ -135,21 +137,20 @@ def test_agent_through_polar_mitm_run(frameworks_installed, steered_gateway: Gat
     assert all(r["status"] == "ok" and r["http_status"] == 200 for r in rows), summary
     assert {r["api"] for r in rows} == {harness.api}, summary
     for row in rows:
-        engine = row["engine_response"]
-        assert row["completion_token_ids"] == engine["choices"][0]["token_ids"]
-        assert row["prompt_token_ids"] == engine["prompt_token_ids"]
+        [choice] = row["engine_response"]["choices"]
+        assert row["completion_token_ids"] == choice["token_ids"]
+        assert row["prompt_token_ids"] == choice["prompt_token_ids"]  # token-in: the engine's own ids
         assert len(row["completion_logprobs"]) == len(row["completion_token_ids"]) > 0
         assert row["engine_request"]["structured_outputs"]["regex"]  # the steering is on the record
+        assert row["render_mode"] == "tokens" and row["engine_request"]["prompt"] == row["prompt_token_ids"]
     tool_turn, final_turn = rows
-    assert tool_turn["finish_reason"] == "tool_calls", summary
-    [sampled] = tool_turn["engine_response"]["choices"][0]["message"]["tool_calls"]
-    assert sampled["function"]["name"] == call["name"] and json.loads(sampled["function"]["arguments"]) == call["arguments"]
+    # the call the policy sampled, as the framework received it (its tool then ran it: the log above)
+    assert tool_turn["finish_reason"] == "tool_calls" and call["name"] in json.dumps(tool_turn["response_body"]), summary
     assert final_turn["finish_reason"] == expect.final_finish, summary
     if expect.finisher:
-        [finish] = final_turn["engine_response"]["choices"][0]["message"]["tool_calls"]
-        assert finish["function"]["name"] == expect.finisher
-    # the second turn carries the tool's real result back
-    assert logged[0]["result"].splitlines()[0] in json.dumps(final_turn["engine_request"]["messages"]), summary
+        assert expect.finisher in json.dumps(final_turn["response_body"]), summary
+    # the second turn carries the tool's real result back, and extends the first turn's sampled ids
+    assert logged[0]["result"].splitlines()[0] in json.dumps(final_turn["request_body"]), summary
     check_assembly(steered_gateway, session_id, rows)
     sequences = assemble(steered_gateway.db, builder="prefix_merging", session=session_id).sequences
     assert len(sequences) == SEQUENCES[name]["tokens"], [s.exchange_ids for s in sequences]  # docs/agents.md's count
@@ -205,3 +206,15 @@ def test_evaluators_are_strict(name: str, tmp_path: Path) -> None:
     assert evaluator(context)["reward"] == 1.0
     (tmp_path / right[0]).write_text(right[1].replace("1", "7", 1))
     assert evaluator(context)["reward"] == 0.0
+
+
+def test_framework_presets_keep_the_provider_host_and_their_own_interpreter() -> None:
+    """No preset points an agent past the proxy, nor lets the caller's Python packages into the frameworks' venv."""
+    base = {"PATH": "/usr/bin", "OPENAI_BASE_URL": "http://elsewhere", "PYTHONPATH": "/repo", "VIRTUAL_ENV": "/repo/.venv"}
+    for name, expect in AGENTS.items():
+        harness = harnesses.get(name)
+        env = harness.environment("/tmp/polar-home", "m", base=base)
+        assert not set(env) & {*harnesses.BASE_URL_VARIABLES, "PYTHONPATH", "VIRTUAL_ENV"}, name
+        assert env["HOME"] == "/tmp/polar-home" and env["OPENAI_API_KEY"] == harnesses.PLACEHOLDER_API_KEY and env["POLAR_AGENT_MODEL"] == "m"
+        if frameworks_python().exists():
+            assert harness.command("do it") == [str(frameworks_python()), str(EXAMPLES / expect.example / "agent.py"), "do it"]

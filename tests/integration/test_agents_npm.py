@@ -15,10 +15,12 @@ every lineage assemble into one sequence; each run's counts must be docs/agents.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +31,7 @@ from polar_mitm import harnesses
 from polar_mitm.assembler import assemble
 from polar_mitm.store import JSON_COLUMNS
 from tests.support import agent_steering as steering
-from tests.support.harness_runs import REPO, check_assembly, check_run, run_harness
+from tests.support.harness_runs import INSTRUCTION, REPO, RUN_TIMEOUT, STRIPPED, check_assembly, check_run, run_harness
 from tests.support.harness_steering import FINAL_TEXT, PROOF_CONTENT, PROOF_FILE, proof_command
 from tests.support.tokens_steering import CHECK_COMMAND
 
@@ -37,15 +39,19 @@ HOOKS = {name: f"{Path(steering.__file__).resolve()}:{name}" for name in ("steer
 FULL_MATRIX = os.environ.get("POLAR_MITM_FULL_MATRIX") == "1"
 full_matrix = pytest.mark.skipif(not FULL_MATRIX, reason="the full agent matrix runs with POLAR_MITM_FULL_MATRIX=1")
 MATRIX = REPO / "docs" / "agents.md"
+PINNED = json.loads((REPO / "sandboxes" / "harnesses" / "package.json").read_text())["dependencies"]
 
 
 @dataclass(frozen=True)
 class Expect:
-    """Where one agent's model calls go (the provider's own host and path) and under which requested model."""
+    """Where one agent's model calls go (the provider's own host and path) and under which requested model;
+    `append_only`: each turn's prompt extends the one before (OpenClaw moves a runtime-context message to the end
+    of every request, so each of its turns starts a lineage of its own)."""
 
     host: str
     path: str
     model: str
+    append_only: bool = True
 
 
 AGENTS = {
@@ -54,6 +60,7 @@ AGENTS = {
     "cline": Expect("api.anthropic.com", "/v1/messages", "claude-sonnet-4-5"),
     "kilo": Expect("generativelanguage.googleapis.com", "/v1beta/models/gemini-2.5-flash:streamGenerateContent?alt=sse", "gemini-2.5-flash"),
     "continue-cli": Expect("api.openai.com", "/v1/chat/completions", "gpt-4.1"),
+    "openclaw": Expect("api.openai.com", "/v1/chat/completions", "gpt-4.1", append_only=False),
 }
 
 
@@ -77,7 +84,7 @@ def test_agent_tool_turn(installed, make_gateway, name: str, session_id: str, tm
     gateway = make_gateway("--engine-hook", HOOKS["steer"])
     started = time.monotonic()
     result = run_harness(gateway, name, session_id, tmp_path)
-    rows = check_run(gateway, name, session_id, tmp_path, result, shell_arguments=shell_arguments(name, proof_command()))
+    rows = check_run(gateway, name, session_id, tmp_path, result, shell_arguments=shell_arguments(name, proof_command()), append_only=AGENTS[name].append_only)
     check_provider(name, rows)
     sequences = len(assemble(gateway.db, builder="prefix_merging", session=session_id).sequences)
     print(f"\nagent: {name} mode=chat hook=steer exchanges={len(rows)} sequences={sequences} {time.monotonic() - started:.1f}s")
@@ -133,10 +140,14 @@ def run_two_calls(make_gateway, name: str, session_id: str, workdir: Path, mode:
 def test_agent_two_calls_in_both_modes(installed, make_gateway, name: str, session_id: str, tmp_path) -> None:
     rows, sequences = run_two_calls(make_gateway, name, session_id, tmp_path / "tokens", "tokens")
     chat_rows, chat_sequences = run_two_calls(make_gateway, name, session_id, tmp_path / "chat", "chat")
-    first_turns = [r for r in rows if r["bridge_reason"] == "first_turn"]
-    append_only = [r for r in rows if r["bridge_reason"] != "first_turn"]
-    assert len(append_only) == 2 and all(r["bridged"] for r in append_only), [(r["seq"], r["bridged"], r["bridge_reason"]) for r in rows]
-    assert sequences == len(first_turns) == 1  # one lineage, one sequence
+    first_turns = [r for r in rows if not r["bridged"]]  # each starts a lineage
+    append_only = [r for r in rows if r["bridged"]]
+    bridging = [(r["seq"], r["bridged"], r["bridge_reason"]) for r in rows]
+    if AGENTS[name].append_only:  # every turn extends the one before, and is bridged
+        assert bridging == [(1, False, "first_turn"), (2, True, None), (3, True, None)], bridging
+    else:  # each turn's history differs from the one the engine sampled on: a lineage of its own
+        assert bridging == [(1, False, "first_turn"), (2, False, "edited_history"), (3, False, "edited_history")], bridging
+    assert sequences == len(first_turns)  # one sequence per lineage
     print(f"\nmerge: {name} exchanges={len(rows)} lineages={len(first_turns)} append_only={len(append_only)} "
           f"tokens: bridged={sum(bool(r['bridged']) for r in append_only)} sequences={sequences} | "
           f"chat: exchanges={len(chat_rows)} merged={len(chat_rows) - chat_sequences} sequences={chat_sequences}")
@@ -145,8 +156,10 @@ def test_agent_two_calls_in_both_modes(installed, make_gateway, name: str, sessi
 
 
 def matrix_rows() -> dict[str, dict[str, str]]:
-    """docs/agents.md's agent table, by preset name (its `--harness` column)."""
-    lines = [line for line in MATRIX.read_text().splitlines() if line.startswith("|")]
+    """docs/agents.md's agent table (its first), by preset name (its `--harness` column)."""
+    text = MATRIX.read_text().splitlines()
+    start = next(i for i, line in enumerate(text) if line.startswith("|"))
+    lines = list(itertools.takewhile(lambda line: line.startswith("|"), text[start:]))
     header = [cell.strip().strip("`") for cell in lines[0].strip("|").split("|")]
     rows = [dict(zip(header, (cell.strip() for cell in line.strip("|").split("|")), strict=True)) for line in lines[2:]]
     return {row["--harness"].strip("`"): row for row in rows if row["--harness"].strip("`")}
@@ -165,8 +178,7 @@ def test_the_matrix_names_each_npm_agent_as_its_preset_pins_it() -> None:
         assert row["wire API"] == API_NAMES[harness.api], name
         assert row["calls"] == f"`{expect.host}{expect.path}`", name
         assert row["streamed"] == "yes" and row["tool turn"] == "yes", name
-    pinned = json.loads((REPO / "sandboxes" / "harnesses" / "package.json").read_text())["dependencies"]
-    assert {name: harnesses.get(name).package for name in AGENTS} == {name: f"{p}@{pinned[p]}" for name in AGENTS for p in [harnesses.get(name).package.rpartition("@")[0]]}
+        assert PINNED[package] == version, name  # the preset's pin is install.sh's
     assert re.search(r"POLAR_MITM_FULL_MATRIX=1", MATRIX.read_text())
 
 
@@ -179,3 +191,31 @@ def test_npm_agent_presets_keep_the_provider_host() -> None:
         assert not set(env) & set(harnesses.BASE_URL_VARIABLES), name
         assert not [key for key in env if key.endswith(("_BASE_URL", "_API_BASE"))], name
         assert env["HOME"] == "/tmp/polar-home" and env["PATH"].endswith("/usr/bin"), name
+
+
+@pytest.mark.harness
+def test_custom_harness_runs_an_agent_without_its_preset(installed, make_gateway, session_id, tmp_path) -> None:
+    """`--harness custom`: Pi with only what the caller gives it (its flags, its key, PI_OFFLINE) and the shared part:
+    a private temporary HOME (the caller's stays untouched), base-URL variables dropped, the pinned install on PATH."""
+    gateway = make_gateway("--engine-hook", HOOKS["steer"])
+    workspace, caller_home = tmp_path / "workspace", tmp_path / "caller-home"
+    workspace.mkdir()
+    caller_home.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in STRIPPED} | {
+        "HOME": str(caller_home), "OPENAI_API_KEY": "sk-caller", "PI_OFFLINE": "1", "OPENAI_BASE_URL": "http://127.0.0.1:9/v1",
+        "POLAR_MITM_HOME": str(harnesses.install_prefix().parent),  # the install stays where it is, HOME moved
+    }
+    command = [
+        sys.executable, "-m", "polar_mitm.cli", "run", "--gateway", gateway.proxy_url(), "--confdir", str(gateway.confdir),
+        "--session", session_id, "--harness", "custom", "--", "pi", "-p", "--model", "openai/gpt-4.1", INSTRUCTION,
+    ]
+    result = subprocess.run(command, cwd=workspace, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+    assert (workspace / PROOF_FILE).read_text() == PROOF_CONTENT
+    assert not any(caller_home.iterdir())  # Pi kept its session files in the private HOME, removed afterwards
+    rows = rows_of(gateway, session_id)
+    assert [(r["api"], r["harness"], r["status"], r["finish_reason"]) for r in rows] == [
+        ("openai_responses", "pi", "ok", "tool_calls"), ("openai_responses", "pi", "ok", "stop"),
+    ]
+    check_provider("pi", rows)
+    check_assembly(gateway, session_id, rows)

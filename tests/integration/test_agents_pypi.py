@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from polar_mitm import harnesses
+from polar_mitm import dialects, harnesses, session
 from polar_mitm.assembler import assemble
 from polar_mitm.store import JSON_COLUMNS
 from tests.support import agent_steering_py as steering
@@ -39,11 +39,13 @@ full_matrix = pytest.mark.skipif(not FULL_MATRIX, reason="the full agent matrix 
 
 @dataclass(frozen=True)
 class Expect:
-    """What one agent's run looks like: `stream` its agent turns' streaming; `tool_calls` whether it acts by tool
-    calls (aider's actions are edits in its reply text); `ending` the turn its loop takes as the end: a plain text
-    ("text"), or a tool call (name, arguments): mini's COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT, gptme's `complete`;
-    `side_calls` its calls outside the agent loop (requests without its tools)."""
+    """What one agent's run looks like: `url` where its model calls go (the provider's own host and path); `stream`
+    its agent turns' streaming; `tool_calls` whether it acts by tool calls (aider's actions are edits in its reply
+    text); `ending` the turn its loop takes as the end: a plain text ("text"), or a tool call (name, arguments):
+    mini's COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT, gptme's `complete`; `side_calls` its calls outside the agent loop
+    (requests without its tools)."""
 
+    url: str
     stream: bool
     tool_calls: bool = True
     ending: str | tuple[str, dict] = "text"
@@ -52,12 +54,24 @@ class Expect:
 
 
 AGENTS = {
-    "mini-swe-agent": Expect(stream=False, ending=("bash", {"command": steering.MINI_SUBMIT})),
-    "aider": Expect(stream=True, tool_calls=False, proof=PROOF_CONTENT + "\n"),
-    "openhands": Expect(stream=False),
-    "hermes": Expect(stream=True),
-    "gptme": Expect(stream=True, ending=("complete", {}), side_calls=1),  # a conversation title, not streamed
+    "mini-swe-agent": Expect("api.openai.com/v1/chat/completions", stream=False, ending=("bash", {"command": steering.MINI_SUBMIT})),
+    "aider": Expect("api.openai.com/v1/chat/completions", stream=True, tool_calls=False, proof=PROOF_CONTENT + "\n"),
+    "openhands": Expect("api.openai.com/v1/chat/completions", stream=False),
+    "hermes": Expect("openrouter.ai/api/v1/chat/completions", stream=True),
+    "gptme": Expect("api.openai.com/v1/responses", stream=True, ending=("complete", {}), side_calls=1),  # a title, not streamed
+    "vibe": Expect("api.mistral.ai/v1/chat/completions", stream=True),
+    "kimi": Expect("api.moonshot.ai/v1/chat/completions", stream=True),
 }
+MATRIX = REPO / "docs" / "agents.md"
+API_NAMES = {"openai_chat": "Chat Completions", "openai_responses": "Responses", "anthropic_messages": "Anthropic Messages", "gemini": "Gemini generateContent"}
+
+
+def matrix_rows() -> dict[str, dict[str, str]]:
+    """docs/agents.md's agent table, by preset name (its `--harness` column)."""
+    lines = [line for line in MATRIX.read_text().splitlines() if line.startswith("|")]
+    header = [cell.strip().strip("`") for cell in lines[0].strip("|").split("|")]
+    rows = [dict(zip(header, (cell.strip() for cell in line.strip("|").split("|")), strict=True)) for line in lines[2:]]
+    return {row["--harness"].strip("`"): row for row in rows if row["--harness"].strip("`")}
 
 
 @pytest.fixture
@@ -95,18 +109,22 @@ def check_agent_run(gateway, name: str, session_id: str, workdir: Path, result: 
     assert all(r["status"] == "ok" and r["http_status"] == 200 and r["render_mode"] == mode for r in rows), summary
     assert {r["api"] for r in rows} == {harness.api}, summary
     assert {r["harness"] for r in rows} == {name}, summary  # told apart by the user agent its preset sets
+    assert {r["host"] + r["path"] for r in rows} == {expect.url}, summary  # the provider's own URL
     for row in rows:
-        engine = row["engine_response"]
+        engine = row["engine_response"]  # chat mode: a chat completion; tokens mode: a token-in completion
         assert row["completion_token_ids"] == engine["choices"][0]["token_ids"]
-        assert row["prompt_token_ids"] == engine["prompt_token_ids"]
+        assert row["prompt_token_ids"] == engine.get("prompt_token_ids", engine["choices"][0].get("prompt_token_ids"))
         assert len(row["completion_logprobs"]) == len(row["completion_token_ids"]) > 0
         assert row["engine_request"]["structured_outputs"]["regex"]  # the steering is on the record
 
+    # what the agent sent and got, read back in its own API (the same in both render modes)
+    sent = {r["seq"]: dialects.get(r["api"]).parse(r["request_body"].encode(), r["path"]).chat for r in rows}
+    replies = {r["seq"]: dialects.get(r["api"]).parse_reply(r["response_body"]) for r in rows}
     if not expect.tool_calls:  # one reply per message, its edit applied by the agent
         assert len(rows) == 1 and rows[0]["finish_reason"] == "stop" and rows[0]["stream"] is expect.stream, summary
-        assert rows[0]["engine_response"]["choices"][0]["message"]["content"] == steering.AIDER_EDIT
+        assert replies[1].content == steering.AIDER_EDIT
         return rows
-    turns = [r for r in rows if harness.shell_tool in [(t.get("function") or {}).get("name") for t in r["engine_request"].get("tools") or []]]
+    turns = [r for r in rows if harness.shell_tool in [(t.get("function") or {}).get("name") for t in sent[r["seq"]].get("tools") or []]]
     assert len(rows) - len(turns) == expect.side_calls, summary
     assert {r["stream"] for r in turns} == {expect.stream}, summary
     calls = [(harness.shell_tool, {harness.shell_argument: command}) for command in commands]
@@ -115,14 +133,14 @@ def check_agent_run(gateway, name: str, session_id: str, workdir: Path, result: 
         calls.append(expect.ending)
     for turn, (tool, arguments) in zip(turns, calls, strict=False):
         assert turn["finish_reason"] == "tool_calls", summary
-        [call] = turn["engine_response"]["choices"][0]["message"]["tool_calls"]
-        assert (call["function"]["name"], json.loads(call["function"]["arguments"])) == (tool, arguments)
+        [call] = replies[turn["seq"]].tool_calls
+        assert (call["name"], json.loads(call["arguments"]) if isinstance(call["arguments"], str) else call["arguments"]) == (tool, arguments)
     if expect.ending == "text":
         assert turns[-1]["finish_reason"] == "stop", summary
-        assert turns[-1]["engine_response"]["choices"][0]["message"]["content"] == steering.FINAL_TEXT
+        assert replies[turns[-1]["seq"]].content == steering.FINAL_TEXT
     # each later turn carries the results back
     for done, turn in enumerate(turns[1:], start=1):
-        assert sum(m["role"] == "tool" for m in turn["engine_request"]["messages"]) == done, summary
+        assert sum(m["role"] == "tool" for m in sent[turn["seq"]]["messages"]) == done, summary
     return rows
 
 
@@ -152,15 +170,33 @@ def test_agent_two_actions_in_both_modes(agent_installed, make_gateway, name: st
     commands = (proof_command(), CHECK_COMMAND)
     rows, sequences = run_agent(make_gateway, name, session_id, tmp_path / "tokens", "tokens", "two_calls", commands)
     chat_rows, chat_sequences = run_agent(make_gateway, name, session_id, tmp_path / "chat", "chat", "two_calls", commands)
-    first_turns = [r for r in rows if r["bridge_reason"] == "first_turn"]
-    append_only = [r for r in rows if r["bridge_reason"] != "first_turn"]
+    # a lineage starts at a conversation no exchange answered before: a first turn, or (aider) one opening with
+    # the agent's own example turns
+    first_turns = [r for r in rows if r["bridge_reason"] in ("first_turn", "no_lineage")]
+    append_only = [r for r in rows if r not in first_turns]
     assert all(r["bridged"] for r in append_only), [(r["seq"], r["bridged"], r["bridge_reason"]) for r in rows]
     assert sequences == len(first_turns)  # one sequence per lineage
     if AGENTS[name].tool_calls:
-        assert len(append_only) >= 2
+        assert len(append_only) >= 2 and {r["bridge_reason"] for r in first_turns} == {"first_turn"}
     print(f"\nmerge: {name} exchanges={len(rows)} lineages={len(first_turns)} append_only={len(append_only)} "
           f"tokens: bridged={sum(bool(r['bridged']) for r in append_only)} sequences={sequences} | "
           f"chat: exchanges={len(chat_rows)} merged={len(chat_rows) - chat_sequences} sequences={chat_sequences}")
+    row = matrix_rows()[name]
+    assert (row["chat sequences"], row["tokens sequences"]) == (str(chat_sequences), str(sequences)), row
+
+
+def test_the_matrix_names_each_pypi_agent_as_its_preset_pins_it() -> None:
+    """docs/agents.md's row of each PyPI agent: its pinned package and version (as locked), wire API, URL, streaming."""
+    rows = matrix_rows()
+    for name, expect in AGENTS.items():
+        harness, row = harnesses.get(name), rows[name]
+        package, _, version = harness.package.partition("==")
+        assert (row["package"], row["version"]) == (f"`{package}`", version), name
+        assert f"{package}=={version}" in (INSTALL.parent / "requirements" / f"{name}.txt").read_text().splitlines(), name
+        assert row["wire API"] == API_NAMES[harness.api], name
+        assert row["calls"] == f"`{expect.url}`", name
+        assert row["streamed"] == ("yes" if expect.stream else "no"), name
+        assert row["tool turn"] == ("yes" if expect.tool_calls else "edit"), name
 
 
 def test_python_agent_presets_keep_the_provider_host_and_their_own_interpreter():
@@ -171,3 +207,19 @@ def test_python_agent_presets_keep_the_provider_host_and_their_own_interpreter()
         assert not set(env) & {*harnesses.BASE_URL_VARIABLES, "PYTHONPATH", "VIRTUAL_ENV"}, name
         assert env["HOME"] == "/tmp/polar-home" and env["PATH"].endswith("/usr/bin")
         assert env["PATH"].split(":")[0].endswith("/harnesses/py/bin"), name
+
+
+def test_the_gateway_tells_the_pypi_agents_apart_by_what_their_presets_set() -> None:
+    seen = {
+        "mini-swe-agent": {"user-agent": "mini-swe-agent/2.4.6"},
+        "aider": {"user-agent": "aider/0.86.2"},
+        "openhands": {"user-agent": "openhands-sdk/1.58.2"},
+        "hermes": {"user-agent": "hermes-agent/0.19.0", "x-title": "Hermes Agent"},
+        "gptme": {"user-agent": "gptme/0.35.1"},
+        "vibe": {"user-agent": "mistral-client-python/2.6.0", "x-title": "mistral-vibe"},
+        "kimi": {"user-agent": "KimiCLI/1.51.0"},
+    }
+    assert {name: session.harness_from_headers(headers) for name, headers in seen.items()} == {name: name for name in seen}
+    # their clients' own user agents name no harness; nor does another app's title
+    for headers in ({"user-agent": "OpenAI/Python 2.24.0"}, {"user-agent": "mistral-client-python/2.6.0"}, {"user-agent": "OpenAI/Python 2.54.0", "x-title": "gptme-webui"}):
+        assert session.harness_from_headers(headers) is None, headers

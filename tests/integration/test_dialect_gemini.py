@@ -16,6 +16,7 @@ from polar_mitm import store
 from polar_mitm.dialects import reasoning
 from tests.support import steer_gemini
 from tests.support.gatewayproc import Gateway, proxy_env
+from tests.support.gemini_stream import is_keepalive, sse_events
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "gemini"
 STEER_HOOK = f"{Path(steer_gemini.__file__)}:steer"
@@ -74,18 +75,6 @@ def exchanges(gateway: Gateway, session_id: str) -> list[dict[str, Any]]:
             if isinstance(row[column], str):
                 row[column] = json.loads(row[column])
     return rows
-
-
-def sse_events(stream: str) -> list[dict[str, Any]]:
-    """The stream's chunks, keepalives left out."""
-    assert stream.endswith("\r\n\r\n") and "event:" not in stream
-    return [chunk for event in stream.split("\r\n\r\n") if event and not is_keepalive(chunk := json.loads(event.removeprefix("data: ")))]
-
-
-def is_keepalive(chunk: dict[str, Any]) -> bool:
-    """What the gateway sends while the engine works (a slow engine makes some): a chunk with one empty text part."""
-    candidates = chunk.get("candidates") or [{}]
-    return candidates[0].get("content", {}).get("parts") == [{"text": ""}] and "finishReason" not in candidates[0]
 
 
 # -- google-genai against the real engine

@@ -2,8 +2,8 @@
 shell tools those agents name differently.
 
 `polar_mitm.local_engine.steering.SHELL_TOOLS` knows the four original harnesses' shell tools (Continue CLI's `Bash`
-among them); the agents here add `bash` (OpenCode, Pi, Kilo Code) and `run_commands` (Cline, a list of commands).
-The hooks are the same turns as the originals:
+among them); the agents here add `bash` (OpenCode, Pi, Kilo Code), `run_commands` (Cline, a list of commands)
+and `exec` (OpenClaw). The hooks are the same turns as the originals:
 
 steer: turn 1 one shell call writing the proof file, then FINAL_TEXT (tests/support/harness_steering.py:steer).
 two_calls: that call, a second one reading the file back, then FINAL_TEXT (tests/support/tokens_steering.py:two_calls).
@@ -28,6 +28,7 @@ AGENT_SHELL_TOOLS: dict[str, Callable[[str], dict[str, Any]]] = {
     **{name: (lambda command, argument=argument: {argument: command}) for name, argument in SHELL_TOOLS.items()},
     "bash": lambda command: {"command": command},
     "run_commands": lambda command: {"commands": [command]},  # Cline: a list of commands
+    "exec": lambda command: {"command": command},  # OpenClaw
 }
 
 

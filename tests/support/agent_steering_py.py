@@ -27,7 +27,7 @@ from tests.support.harness_steering import FINAL_TEXT, PROOF_CONTENT, PROOF_FILE
 from tests.support.tokens_steering import CHECK_COMMAND
 
 # each agent's shell tool and the argument holding the command
-SHELL_TOOLS = {"bash": "command", "terminal": "command", "shell": "command", "bash_tool": "command"}
+SHELL_TOOLS = {"bash": "command", "terminal": "command", "shell": "command", "Shell": "command"}
 MINI_SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 AIDER_EDIT = f"{PROOF_FILE}\n```\n{PROOF_CONTENT}\n```"
 

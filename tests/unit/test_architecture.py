@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -283,3 +284,83 @@ def test_the_rollout_server_without_ray_imports_no_ray_module() -> None:
     done = subprocess.run([sys.executable, "-c", SERVER_IMPORTS], capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+
+
+# -- README's "Where things live": its rows are layers, top first; the table names every module
+
+README = PACKAGE.parent / "README.md"
+
+
+def readme_layers() -> list[tuple[str, set[str]]]:
+    """(layer name, module paths relative to the repository) per row of README's "Where things live" table.
+
+    In a row, `polar_mitm/x/` sets the folder the following bare file names (`a.py`, `sub/b.py`) are in;
+    `polar_mitm/x/*.py` names every module of that folder; `polar_mitm/x.py` names one module."""
+    section = README.read_text().split("## Where things live", 1)[1].split("\n## ", 1)[0]
+    layers = []
+    for line in section.splitlines():
+        if not line.startswith("| ") or line.startswith(("| layer", "|---")):
+            continue
+        name, cell = line.strip("|").split("|", 1)
+        folder, named = "", set()
+        for token in re.findall(r"`([^`]+)`", cell):
+            if token.startswith("polar_mitm/"):
+                if token.endswith("/"):
+                    folder = token
+                elif token.endswith("/*.py"):
+                    folder = token[: -len("*.py")]
+                    named |= {str(p.relative_to(PACKAGE.parent)) for p in (PACKAGE.parent / folder).glob("*.py") if p.name not in ("__init__.py", "__main__.py")}
+                else:
+                    named.add(token)
+                    folder = token.rsplit("/", 1)[0] + "/"
+            elif token.endswith(".py") and folder and not token.endswith("__init__.py"):
+                named.add(folder + token)
+        layers.append((name.strip(), named))
+    return layers
+
+
+def test_readme_names_every_module_once_and_only_modules_that_exist():
+    layers = readme_layers()
+    assert len(layers) >= 10, "README's 'Where things live' table was not found"
+    rows: dict[str, list[str]] = {}
+    for name, named in layers:
+        for path in named:
+            rows.setdefault(path, []).append(name)
+    missing = [path for path in rows if not (PACKAGE.parent / path).exists()]
+    assert not missing, f"README names modules that do not exist: {missing}"
+    modules = [str(path.relative_to(PACKAGE.parent)) for path in _modules().values() if path.name not in ("__init__.py", "__main__.py")]
+    unnamed = [path for path in modules if path not in rows]
+    assert not unnamed, f"README's 'Where things live' does not name: {unnamed}"
+    twice = {path: names for path, names in rows.items() if len(names) > 1}
+    assert not twice, f"named in more than one layer: {twice}"
+
+
+def test_every_import_runs_down_readmes_layers():
+    """A module imports (at module level or lazily) only modules of its own layer and the layers below it; a
+    package's __init__ is in the layer of its modules, the top package `polar_mitm` (its version) is below all."""
+    layer_of_path = {path: index for index, (_, named) in enumerate(readme_layers()) for path in named}
+    modules = _modules()
+
+    def layer(module: str) -> int | None:
+        path = modules[module]
+        if module == "polar_mitm":
+            return None
+        relative = str(path.relative_to(PACKAGE.parent))
+        if path.name == "__init__.py":
+            folder = relative.rsplit("/", 1)[0] + "/"
+            inside = [index for named, index in layer_of_path.items() if named.startswith(folder)]
+            return min(inside) if inside else None
+        return layer_of_path.get(relative)
+
+    names = [name for name, _ in readme_layers()]
+    upward = []
+    for module, path in modules.items():
+        for target in _all_imports(path):
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if not target or target == module:
+                continue
+            here, there = layer(module), layer(target)
+            if here is not None and there is not None and there < here:
+                upward.append(f"{module} ({names[here]}) -> {target} ({names[there]})")
+    assert not upward, "imports that run up README's layers:\n" + "\n".join(sorted(set(upward)))

@@ -21,6 +21,7 @@ from polar_mitm.assembler.source import Exchange
 from polar_mitm.engines import ENGINES, Engine, make_engine
 from polar_mitm.errors import ConfigError
 from polar_mitm.registry import Registry
+from polar_mitm.render.parsers import TOOL_PARSERS
 from polar_mitm.rollout.runtimes import RUNTIMES, Sandbox
 
 # registry, its kind, and the names users type (--engine, --builder, runtime.backend, agent.harness, exchanges.api)
@@ -28,9 +29,11 @@ REGISTRIES = [
     (dialects.DIALECTS, "dialect", ("openai_chat", "openai_responses", "anthropic_messages", "gemini")),
     (ENGINES, "engine", ("vllm", "sglang")),
     (BUILDERS, "builder", ("per_request", "prefix_merging")),
-    (harnesses.HARNESSES, "harness", ("codex", "claude", "qwen", "gemini")),
     (RUNTIMES, "runtime", ("local", "docker")),
+    (TOOL_PARSERS, "tool parser", ("hermes", "qwen3_coder", "none")),
 ]
+# harness presets keep the first four names first; every agent added since comes after them
+FIRST_HARNESSES = ("codex", "claude", "qwen", "gemini")
 
 
 @pytest.mark.parametrize(("registry", "kind", "names"), REGISTRIES, ids=[kind for _, kind, _ in REGISTRIES])
@@ -45,6 +48,15 @@ def test_each_registry_keeps_its_names_and_refuses_unknown_ones(registry: Regist
     with pytest.raises(KeyError):
         registry["nope"]
     assert [registry[name] for name in names] == registry.values()
+
+
+def test_the_harness_registry_keeps_its_first_names_and_refuses_unknown_ones() -> None:
+    names = harnesses.HARNESSES.names()
+    assert harnesses.HARNESSES.kind == "harness" and names[: len(FIRST_HARNESSES)] == FIRST_HARNESSES
+    assert len(set(names)) == len(names) == len(harnesses.HARNESSES) and "nope" not in harnesses.HARNESSES
+    with pytest.raises(ConfigError) as raised:
+        harnesses.HARNESSES.get("nope")
+    assert str(raised.value) == f"unknown harness 'nope'; valid: {', '.join(names)}"
 
 
 def test_registry_imports_a_lazy_entry_once_on_first_use() -> None:

@@ -15,22 +15,10 @@ from hypothesis import strategies as st
 
 from polar_mitm.dialects import dialect_for, gemini, reasoning
 from polar_mitm.exchange import Completion, DialectError, ParsedRequest, ToolCall
+from tests.support.gemini_stream import sse_events
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "gemini"
 MODEL = "gemini-2.5-flash"
-def sse_events(stream: str) -> list[dict[str, Any]]:
-    """The stream's chunks, keepalives left out."""
-    assert stream.endswith("\r\n\r\n") and "event:" not in stream
-    return [chunk for event in stream.split("\r\n\r\n") if event and not is_keepalive(chunk := json.loads(event.removeprefix("data: ")))]
-
-
-def is_keepalive(chunk: dict[str, Any]) -> bool:
-    """What the gateway sends while the engine works (a slow engine makes some): a chunk with one empty text part."""
-    candidates = chunk.get("candidates") or [{}]
-    return candidates[0].get("content", {}).get("parts") == [{"text": ""}] and "finishReason" not in candidates[0]
-
-
-
 # -- the parser and renderer, without the network
 
 
