@@ -63,6 +63,7 @@ AGENTS = {
     "kimi": Expect("api.moonshot.ai/v1/chat/completions", stream=True),
 }
 MATRIX = REPO / "docs" / "agents.md"
+SAMPLING = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed")
 API_NAMES = {"openai_chat": "Chat Completions", "openai_responses": "Responses", "anthropic_messages": "Anthropic Messages", "gemini": "Gemini generateContent"}
 
 
@@ -120,6 +121,14 @@ def check_agent_run(gateway, name: str, session_id: str, workdir: Path, result: 
     # what the agent sent and got, read back in its own API (the same in both render modes)
     sent = {r["seq"]: dialects.get(r["api"]).parse(r["request_body"].encode(), r["path"]).chat for r in rows}
     replies = {r["seq"]: dialects.get(r["api"]).parse_reply(r["response_body"]) for r in rows}
+    if mode == "chat":  # the hook changed no output budget or sampling: the engine got the agent's own
+        for row in rows:
+            own = {k: sent[row["seq"]].get(k) for k in SAMPLING}
+            got = {k: row["engine_request"].get(k) for k in SAMPLING}
+            # but for the gateway's own fit: a budget at or above the engine's context is left out, and noted
+            fitted = {k for k in ("max_tokens", "max_completion_tokens") if own[k] is not None and got[k] is None}
+            assert all(any(note.startswith(f"{k} {own[k]} -> ") for note in row["normalizations"] or []) for k in fitted), row["normalizations"]
+            assert {k: v for k, v in got.items() if k not in fitted} == {k: v for k, v in own.items() if k not in fitted}, (row["seq"], own, got)
     if not expect.tool_calls:  # one reply per message, its edit applied by the agent
         assert len(rows) == 1 and rows[0]["finish_reason"] == "stop" and rows[0]["stream"] is expect.stream, summary
         assert replies[1].content == steering.AIDER_EDIT
