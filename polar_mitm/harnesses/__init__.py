@@ -95,7 +95,9 @@ class Harness:
     def environment(self, home: str | Path, model: str | None = None, base: Mapping[str, str] | None = None) -> dict[str, str]:
         """The child's whole environment: `base` (default os.environ) without base-URL overrides, plus the preset."""
         home = Path(home)
-        env = {k: v for k, v in (os.environ if base is None else base).items() if k not in BASE_URL_VARIABLES}
+        # PWD too: the harness starts in its own workspace, so the caller's PWD is stale there (OpenCode and Kilo Code
+        # resolve their project from $PWD before their cwd)
+        env = {k: v for k, v in (os.environ if base is None else base).items() if k not in BASE_URL_VARIABLES and k != "PWD"}
         path_head = [str(install_prefix() / "node_modules" / ".bin")]
         if (node := node_bin_dir()) is not None:
             path_head.insert(0, str(node))

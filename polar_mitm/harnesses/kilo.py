@@ -15,13 +15,10 @@ always stream.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping
 from pathlib import Path
 
-from polar_mitm.harnesses import PLACEHOLDER_API_KEY, Harness
+from polar_mitm.harnesses.opencode import OpenCode
 
-PROVIDER = "google"
 QUIET = {
     "KILO_DISABLE_MODELS_FETCH": "1",
     "KILO_DISABLE_AUTOUPDATE": "1",
@@ -34,39 +31,18 @@ QUIET = {
 }
 
 
-def qualified(model: str) -> str:
-    return model if "/" in model else f"{PROVIDER}/{model}"
-
-
-class Kilo(Harness):
+class Kilo(OpenCode):
     name = "kilo"
     api = "gemini"
     binary = "kilo"
     package = "@kilocode/cli@7.7.7"
-    shell_tool = "bash"
-    shell_argument = "command"
     default_model = "gemini-2.5-flash"
-
-    def arguments(self, instruction: str, model: str | None) -> list[str]:
-        return ["run", "--format", "json", "--auto", "--title", "polar-mitm", *(["--model", qualified(model)] if model else []), instruction]
-
-    def environment(self, home: str | Path, model: str | None = None, base: Mapping[str, str] | None = None) -> dict[str, str]:
-        env = super().environment(home, model, base)
-        # `run` works in $PWD before its cwd: a caller's stale PWD (a process started with another cwd) would be
-        # the project its tools write into
-        env.pop("PWD", None)
-        return env
-
-    def preset_environment(self, home: Path, model: str | None) -> dict[str, str]:
-        return {"GOOGLE_GENERATIVE_AI_API_KEY": PLACEHOLDER_API_KEY, **QUIET}
-
-    def write_config(self, home: Path, model: str | None) -> None:
-        config: dict[str, object] = {"$schema": "https://app.kilo.ai/config.json", "autoupdate": False, "share": "disabled"}
-        if model:
-            config.update(model=qualified(model), small_model=qualified(model))
-        path = home / ".config" / "kilo" / "kilo.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(config, indent=2) + "\n")
+    needs_node = True  # a Node launcher in front of its Bun binary
+    provider = "google"
+    api_key_variable = "GOOGLE_GENERATIVE_AI_API_KEY"
+    config_schema = "https://app.kilo.ai/config.json"
+    config_file = Path(".config") / "kilo" / "kilo.json"
+    quiet = QUIET
 
 
 HARNESS = Kilo()

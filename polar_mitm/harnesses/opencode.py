@@ -19,18 +19,12 @@ from pathlib import Path
 
 from polar_mitm.harnesses import PLACEHOLDER_API_KEY, Harness
 
-PROVIDER = "alibaba"  # the catalog's DashScope (international) provider; its key is DASHSCOPE_API_KEY
 QUIET = {
     "OPENCODE_DISABLE_MODELS_FETCH": "1",  # models.dev: the catalog bundled in the binary is used
     "OPENCODE_DISABLE_AUTOUPDATE": "1",
     "OPENCODE_DISABLE_LSP_DOWNLOAD": "1",
     "OPENCODE_DISABLE_SHARE": "1",
 }
-
-
-def qualified(model: str) -> str:
-    """`provider/model` as OpenCode (and Kilo Code) name models; a bare name is the preset provider's."""
-    return model if "/" in model else f"{PROVIDER}/{model}"
 
 
 class OpenCode(Harness):
@@ -42,25 +36,28 @@ class OpenCode(Harness):
     shell_argument = "command"
     default_model = "qwen3-coder-plus"
     needs_node = False  # a Bun binary
+    # what its fork Kilo Code (kilo.py) names differently
+    provider = "alibaba"  # the catalog's DashScope (international) provider; its key is DASHSCOPE_API_KEY
+    api_key_variable = "DASHSCOPE_API_KEY"
+    config_schema = "https://opencode.ai/config.json"
+    config_file = Path(".config") / "opencode" / "opencode.json"
+    quiet: Mapping[str, str] = QUIET
+
+    def qualified(self, model: str) -> str:
+        """`provider/model` as OpenCode (and Kilo Code) name models; a bare name is the preset provider's."""
+        return model if "/" in model else f"{self.provider}/{model}"
 
     def arguments(self, instruction: str, model: str | None) -> list[str]:
-        return ["run", "--format", "json", "--auto", "--title", "polar-mitm", *(["--model", qualified(model)] if model else []), instruction]
-
-    def environment(self, home: str | Path, model: str | None = None, base: Mapping[str, str] | None = None) -> dict[str, str]:
-        env = super().environment(home, model, base)
-        # `run` works in $PWD before its cwd: a caller's stale PWD (a process started with another cwd) would be
-        # the project its tools write into
-        env.pop("PWD", None)
-        return env
+        return ["run", "--format", "json", "--auto", "--title", "polar-mitm", *(["--model", self.qualified(model)] if model else []), instruction]
 
     def preset_environment(self, home: Path, model: str | None) -> dict[str, str]:
-        return {"DASHSCOPE_API_KEY": PLACEHOLDER_API_KEY, **QUIET}
+        return {self.api_key_variable: PLACEHOLDER_API_KEY, **self.quiet}
 
     def write_config(self, home: Path, model: str | None) -> None:
-        config: dict[str, object] = {"$schema": "https://opencode.ai/config.json", "autoupdate": False, "share": "disabled"}
+        config: dict[str, object] = {"$schema": self.config_schema, "autoupdate": False, "share": "disabled"}
         if model:
-            config.update(model=qualified(model), small_model=qualified(model))
-        path = home / ".config" / "opencode" / "opencode.json"
+            config.update(model=self.qualified(model), small_model=self.qualified(model))
+        path = home / self.config_file
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(config, indent=2) + "\n")
 
