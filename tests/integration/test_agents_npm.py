@@ -33,11 +33,10 @@ from polar_mitm.store import JSON_COLUMNS
 from tests.support import agent_steering as steering
 from tests.support.harness_runs import INSTRUCTION, REPO, RUN_TIMEOUT, STRIPPED, check_assembly, check_run, run_harness
 from tests.support.harness_steering import FINAL_TEXT, PROOF_CONTENT, PROOF_FILE, proof_command
+from tests.support.matrix import full_matrix
 from tests.support.tokens_steering import CHECK_COMMAND
 
 HOOKS = {name: f"{Path(steering.__file__).resolve()}:{name}" for name in ("steer", "two_calls")}
-FULL_MATRIX = os.environ.get("POLAR_MITM_FULL_MATRIX") == "1"
-full_matrix = pytest.mark.skipif(not FULL_MATRIX, reason="the full agent matrix runs with POLAR_MITM_FULL_MATRIX=1")
 MATRIX = REPO / "docs" / "agents.md"
 PINNED = json.loads((REPO / "sandboxes" / "harnesses" / "package.json").read_text())["dependencies"]
 

@@ -15,7 +15,6 @@ be bridged and every lineage assemble into one sequence; `merge:` lines give doc
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import time
 from dataclasses import dataclass
@@ -29,12 +28,11 @@ from polar_mitm.store import JSON_COLUMNS
 from tests.support import agent_steering_py as steering
 from tests.support.harness_runs import REPO, check_assembly, run_harness
 from tests.support.harness_steering import PROOF_CONTENT, PROOF_FILE, proof_command
+from tests.support.matrix import full_matrix
 from tests.support.tokens_steering import CHECK_COMMAND
 
 INSTALL = REPO / "sandboxes" / "agents-py" / "install.sh"
 HOOKS = {name: f"{Path(steering.__file__).resolve()}:{name}" for name in ("steer", "two_calls")}
-FULL_MATRIX = os.environ.get("POLAR_MITM_FULL_MATRIX") == "1"
-full_matrix = pytest.mark.skipif(not FULL_MATRIX, reason="the full agent matrix runs with POLAR_MITM_FULL_MATRIX=1")
 
 
 @dataclass(frozen=True)

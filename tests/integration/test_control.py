@@ -88,12 +88,19 @@ def wait_for(control: GatewayControl, predicate, timeout: float = 60) -> dict:
     raise AssertionError(f"gateway never reached the state; last status {status}")
 
 
+# how long the relay in front of the engine holds each call: the call is surely in flight when the test pauses (the
+# random-weight model's own generation time varies with the machine, and it may sample EOS early)
+HELD_S = 3.0
+
+
 @pytest.fixture
-def control_gateway(make_gateway) -> tuple[Gateway, GatewayControl]:
-    gateway = make_gateway()
+def control_gateway(make_gateway, engine_url: str) -> tuple[Gateway, GatewayControl]:
+    relay = DelayedEngineRelay(engine_url, HELD_S)
+    gateway = make_gateway(upstream=relay.url)
     control = GatewayControl(gateway.proxy_url())
     yield gateway, control
     control.close()
+    relay.close()
 
 
 def test_drain_with_four_sessions_mid_turn(control_gateway, session_id: str) -> None:
@@ -133,7 +140,8 @@ def test_abort_reissues_the_call_and_records_the_attempt_as_untrainable(control_
     started = time.monotonic()
     paused = control.pause(mode="abort")
     assert time.monotonic() - started < 10, "abort must not wait for the call to finish"
-    assert paused["state"] == "paused" and paused["in_flight"] == 0 and paused["aborted_total"] == 1, paused
+    rows_now = [(r["status"], r["error"]) for r in gateway.exchanges(session_id)]
+    assert paused["state"] == "paused" and paused["in_flight"] == 0 and paused["aborted_total"] == 1, (paused, rows_now)
     wait_for(control, lambda s: s["waiting"] == 1)  # the aborted call waits to be issued again
     control.resume(policy_version=3)
     sessions.join()

@@ -9,8 +9,10 @@ gives up on the slowed turn, each call it made for it is a `client_disconnected`
 and no tool result ever reaches the engine).
 
 Gemini CLI has no setting for its one limit on a stream (undici's bodyTimeout, 300 s between body bytes), so its case
-waits that long: about 5.5 minutes, the two runs side by side. It sends the call it abandoned again (to be abandoned
-again after 300 s, and so on), so its silent run is stopped once that retry is on its way.
+waits that long: about 5.5 minutes, the two runs side by side; it runs with POLAR_MITM_FULL_MATRIX=1 (its keepalive
+event is covered in the default suite by the pause tests with real harnesses, tests/integration/test_control.py).
+It sends the call it abandoned again (to be abandoned again after 300 s, and so on), so its silent run is stopped
+once that retry is on its way.
 """
 
 from __future__ import annotations
@@ -25,11 +27,12 @@ import pytest
 from tests.support import harness_steering as steering
 from tests.support.harness_runs import HOOK, check_run, run_harness
 from tests.support.keepalive_cases import BASELINE_MARKS, CASES, KEEPALIVE_MARK, every_call, has_tool_result
+from tests.support.matrix import full_matrix
 from tests.support.upstream_standins import DelayedEngineRelay
 
 
 @pytest.mark.harness
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [pytest.param(name, marks=full_matrix) if name == "gemini" else name for name in CASES])
 def test_keepalives_carry_a_harness_through_a_slow_engine(installed, name, make_gateway, engine_url, session_id, tmp_path, monkeypatch):
     case = CASES[name]
     for key, value in case.get("env", {}).items():

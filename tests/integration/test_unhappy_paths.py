@@ -97,7 +97,8 @@ def test_a_call_the_client_abandons_is_aborted_on_the_engine_and_recorded_client
     # curl's own --max-time: measured here under load, it let curl run 5-10 s (once past the whole generation).
     client = curl_chat(gw, session_id, {**LONG_CHAT, "max_tokens": 1000, "stream": stream}, max_time=60)
     ports: set[int] = set()
-    while not engine_metric(engine_url, "vllm:num_requests_running"):
+    # this gateway's own engine connection, and the engine generating (the metric alone counts every caller's requests)
+    while not (engine_connections(gw.process.pid, engine_url) and engine_metric(engine_url, "vllm:num_requests_running")):
         assert client.poll() is None and time.monotonic() - started < 30, "the call never reached the engine"
         time.sleep(0.1)
     generating = time.monotonic()
@@ -106,7 +107,9 @@ def test_a_call_the_client_abandons_is_aborted_on_the_engine_and_recorded_client
         time.sleep(0.1)
     client.kill()
     killed_at = datetime.now(UTC)
-    assert client.wait() == -signal.SIGKILL, client.stderr.read()  # it was still waiting for its reply
+    if client.wait() != -signal.SIGKILL:  # it should still have been waiting for its reply: say what it got instead
+        reply, errors = client.communicate()
+        raise AssertionError(f"the client finished before it was killed (exit {client.returncode}): {errors!r} {reply[-2000:]!r}; rows {[(r['status'], r['error']) for r in gw.exchanges(session_id)]}; gateway log tail {gw.log.read_text()[-3000:]!r}")
     assert ports, "the gateway never called the engine"
     [row] = wait_for_rows(gw, session_id, timeout=15)
     assert row["status"] == "client_disconnected", row["error"]
