@@ -89,13 +89,15 @@ def live_gateways(confdir: str | Path) -> dict[str, dict]:
     return _live_gateways(_read_gateways(Path(confdir).expanduser() / GATEWAY_FILE))
 
 
-def announce_gateway(confdir: str | Path, url: str, db: Path, node: bool = False) -> Path:
+def announce_gateway(confdir: str | Path, url: str, db: Path, node: bool = False, transparent: str | None = None) -> Path:
     """List a running gateway (this process) in its confdir's GATEWAY_FILE, beside the other live ones. `node`: it
-    is a rollout server's gateway node, which `find_gateway()` leaves out (only --gateway reaches it)."""
+    is a rollout server's gateway node, which `find_gateway()` leaves out (only --gateway reaches it). `transparent`:
+    its transparent listener ("HOST:PORT"), where capture namespaces (capture.py) send their connections."""
     marker = Path(confdir).expanduser() / GATEWAY_FILE
     with _locked(marker):
         gateways = _live_gateways(_read_gateways(marker))
-        gateways[url] = {"pid": os.getpid(), "db": str(db), "started_at": time.time(), **({"node": True} if node else {})}
+        extra = {**({"node": True} if node else {}), **({"transparent": transparent} if transparent else {})}
+        gateways[url] = {"pid": os.getpid(), "db": str(db), "started_at": time.time(), **extra}
         _write_gateways(marker, gateways)
     return marker
 
@@ -246,6 +248,30 @@ def proxy_environment(session_id: str, confdir: str | Path = DEFAULT_CONFDIR, ga
     if QUIET_PROXY_WARNING not in options.split() and node_accepts_disable_warning(shutil.which("node", path=env.get("PATH"))):
         env["NODE_OPTIONS"] = f"{options} {QUIET_PROXY_WARNING}".strip()
     return env
+
+
+def capture_environment(session_id: str, confdir: str | Path = DEFAULT_CONFDIR, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """`base` (default os.environ) for a command in a capture namespace (capture.py): no proxy settings at all (it
+    is captured without them), only the gateway's CA trusted, in every variable runtimes read."""
+    env = dict(os.environ if base is None else base)
+    for key in (*PROXY_VARIABLES, "ALL_PROXY", "all_proxy", "NO_PROXY", "no_proxy", "NODE_USE_ENV_PROXY"):
+        env.pop(key, None)
+    bundle = str(ca_bundle(confdir, env))
+    env.update({key: bundle for key in CA_VARIABLES}, POLAR_MITM_SESSION=session_id)
+    return env
+
+
+def transparent_listener(confdir: str | Path, gateway: str) -> tuple[str, int]:
+    """The transparent listener ("HOST:PORT") the live gateway at `gateway` announced in the confdir's GATEWAY_FILE;
+    RunError when it has none (started without --transparent-port) or is not listed there."""
+    entry = live_gateways(confdir).get(gateway.rstrip("/"))
+    if entry is None:
+        raise RunError(f"the gateway at {gateway} is not listed in {Path(confdir).expanduser() / GATEWAY_FILE}: transparent capture needs a gateway started with this confdir")
+    listener = entry.get("transparent")
+    if not listener:
+        raise RunError(f"the gateway at {gateway} has no transparent listener: start it with --transparent-port PORT for --capture transparent")
+    host, _, port = str(listener).rpartition(":")
+    return host, int(port)
 
 
 @functools.cache

@@ -24,18 +24,22 @@ import time
 import uuid
 from pathlib import Path
 
+from polar_mitm.capture import CaptureNamespace, open_namespace
 from polar_mitm.errors import RunError
 from polar_mitm.gateway.options import DEFAULT_CONFDIR
 from polar_mitm.routing import (
     DEFAULT_GATEWAY,
     GATEWAY_FILE,
+    capture_environment,
     check_gateway,
     check_listening,
     find_gateway,
     proxy_environment,
+    transparent_listener,
 )
 
 SESSION_ID = re.compile(r"[A-Za-z0-9._~+=-]{1,200}")
+CAPTURE_MODES = ("proxy", "transparent")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -54,6 +58,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--model", help="with --harness: the model name the harness asks for (default: the preset's)")
     parser.add_argument("--home", type=Path, help="with --harness: the HOME to prepare and keep (default: a temporary one, removed afterwards)")
     parser.add_argument("--confdir", default=DEFAULT_CONFDIR, help=f"the gateway's confdir: its CA and session secret (default {DEFAULT_CONFDIR})")
+    parser.add_argument(
+        "--capture", choices=CAPTURE_MODES, default="proxy",
+        help="proxy (default): HTTPS_PROXY with the session's credentials; transparent: for a command that ignores proxy settings, run it in a network namespace whose HTTPS goes to the gateway's transparent listener (root; the gateway started with --transparent-port)",
+    )
+    parser.add_argument("--capture-host", action="append", default=[], metavar="HOST", help="with --capture transparent: another provider host the command calls (the known ones are built in)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
     parser.set_defaults(func=_run)
 
@@ -68,12 +77,18 @@ def _run(args: argparse.Namespace) -> int:
         print(f"polar-mitm run: a session id is letters, digits and . _ ~ + = - only (it is a proxy URL's user name), got {session_id!r}", file=sys.stderr)
         return 2
     temporary_home: str | None = None
+    namespace: CaptureNamespace | None = None
     try:
         gateway, picked = find_gateway(args.confdir, args.gateway)
         check_listening(gateway)  # before anything is written to the confdir
         env = proxy_environment(session_id, args.confdir, gateway)
         # before the harness starts: a harness shows a bare 407 or a connection error badly, or not at all
         check_gateway(env["HTTPS_PROXY"])
+        if args.capture == "transparent":
+            listener = transparent_listener(args.confdir, gateway)
+            env = capture_environment(session_id, args.confdir)
+            namespace = open_namespace(args.confdir, session_id, listener, args.capture_host)
+            command = namespace.command(command)
         if args.harness:
             from polar_mitm import harnesses
             from polar_mitm.harnesses import custom
@@ -84,12 +99,17 @@ def _run(args: argparse.Namespace) -> int:
             # its PATH leads with the pinned install: `-- qwen ...` runs that one, not the caller's `qwen`
             env = harness.environment(home, args.model, base=env)
     except RunError as error:
+        if namespace is not None:
+            namespace.close()
         print(f"polar-mitm run: {error}", file=sys.stderr)
         return 2
-    print(f"polar-mitm run: session {session_id} via gateway {gateway} ({picked})", file=sys.stderr, flush=True)
+    how = f", captured transparently in network namespace {namespace.name} ({namespace.address})" if namespace else ""
+    print(f"polar-mitm run: session {session_id} via gateway {gateway} ({picked}){how}", file=sys.stderr, flush=True)
     try:
         return _run_child(command, env)
     finally:
+        if namespace is not None:
+            namespace.close()
         if temporary_home:
             shutil.rmtree(temporary_home, ignore_errors=True)
 

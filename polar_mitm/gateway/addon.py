@@ -1,9 +1,12 @@
 """The polar addon: serve model calls from the training engine and commit each exchange before replying.
 
-One exchange, top to bottom: session (proxy credentials) -> dialect (parse) -> engine (one non-streaming
-call, token ids + logprobs, into the exchange's EngineRecord) -> store (committed) -> dialect (the provider's
-JSON or SSE stream). Whatever happens, the row and the answer come from one mapping (gateway/outcome.py),
-for a JSON reply and a stream alike.
+One exchange, top to bottom: session (proxy credentials, or a capture namespace's address) -> dialect (parse) ->
+engine (one non-streaming call, token ids + logprobs, into the exchange's EngineRecord) -> store (committed) ->
+dialect (the provider's JSON or SSE stream). Whatever happens, the row and the answer come from one mapping
+(gateway/outcome.py), for a JSON reply and a stream alike.
+
+Length: one mitmproxy addon (one class, as mitmproxy's own), the one exchange read top to bottom; its parts live in
+the modules beside it.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ from pathlib import Path
 from typing import Any, TextIO, TypeVar
 
 from mitmproxy import addonmanager, connection, ctx, exceptions, http
+from mitmproxy.proxy.mode_specs import ProxyMode, TransparentMode
 
-from polar_mitm import dialects, routing, session
+from polar_mitm import capture, dialects, routing, session
 from polar_mitm.dialects import CountsTokens, Dialect
 from polar_mitm.engines import EngineClient, Reachability, make_engine
 from polar_mitm.engines.pool import CURRENT_SESSION
@@ -200,9 +204,18 @@ class PolarAddon:
         if not self.log_shown:
             print(f"polar-mitm gateway: {message}", file=sys.stderr, flush=True)
 
+    def transparent_listener(self) -> tuple[str, int] | None:
+        """Where this gateway listens in transparent mode (a `transparent@...` in mitmproxy's `mode`), if it does."""
+        for spec in ctx.options.mode:
+            mode = ProxyMode.parse(spec)
+            if isinstance(mode, TransparentMode):
+                return mode.listen_host() or "127.0.0.1", mode.listen_port() or 8080
+        return None
+
     def proxy_url(self) -> str | None:
         proxyserver = ctx.master.addons.get("proxyserver")
-        addresses = proxyserver.listen_addrs() if proxyserver else []
+        transparent = self.transparent_listener()
+        addresses = [a for a in (proxyserver.listen_addrs() if proxyserver else []) if transparent is None or a[1] != transparent[1]]
         if not addresses:
             return None
         host, port = addresses[0][:2]
@@ -213,7 +226,9 @@ class PolarAddon:
     def _announce(self) -> None:
         """Leave the proxy URL in the confdir, so `polar-mitm run` finds this gateway without flags."""
         if url := self.proxy_url():
-            self.announced = (routing.announce_gateway(ctx.options.confdir, url, Path(ctx.options.polar_db).resolve(), node=self.rollout_node), url)
+            transparent = self.transparent_listener()
+            listener = f"{transparent[0]}:{transparent[1]}" if transparent else None
+            self.announced = (routing.announce_gateway(ctx.options.confdir, url, Path(ctx.options.polar_db).resolve(), node=self.rollout_node, transparent=listener), url)
 
     async def done(self) -> None:
         if self.announced is not None:
@@ -251,6 +266,14 @@ class PolarAddon:
             # mitmproxy's replay (mitmweb's Replay, `replay.client`) re-runs this flow or a copy of it without a
             # proxy connection, so without credentials: it keeps the session in its metadata, which survives
             # copies and flow files; its row is flagged replay, which keeps it out of trajectories
+            return
+        if isinstance(flow.client_conn.proxy_mode, TransparentMode):
+            # no proxy, no credentials: the session is what its capture namespace registered for the client's address
+            registration = capture.registered_session(ctx.options.confdir, flow.client_conn.peername[0])
+            if registration is None and ctx.options.polar_require_auth:
+                flow.response = flows.capture_unregistered(flow.client_conn.peername[0])
+                return
+            flow.metadata["polar_session"] = registration.session_id if registration else session.DEFAULT_SESSION
             return
         if flow.client_conn in self.sessions_by_connection:
             credentials = self.sessions_by_connection[flow.client_conn]

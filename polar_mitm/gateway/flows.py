@@ -78,6 +78,12 @@ def proxy_auth_required() -> http.Response:
     return http.Response.make(407, body, {"Proxy-Authenticate": 'Basic realm="polar-mitm"', "content-type": "application/json"})
 
 
+def capture_unregistered(address: str) -> http.Response:
+    """A transparent connection from an address no capture namespace registered, on a gateway that requires auth."""
+    body = json.dumps({"error": {"message": f"polar-mitm: {address} is not a capture namespace of this gateway's confdir (polar-mitm run --capture transparent)", "type": "permission_denied"}})
+    return http.Response.make(403, body, {"content-type": "application/json"})
+
+
 def client_gone(flow: http.HTTPFlow) -> str | None:
     """Why nobody will read this flow's response any more, or None while its client still waits."""
     if flow.error is not None:

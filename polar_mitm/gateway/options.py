@@ -95,6 +95,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("port", int, 8080, "Proxy port on the listen host.", "proxy port on 127.0.0.1 (default 8080)", addon=False),
     Option("host", str, "127.0.0.1", "Listen address; loopback by default.", addon=False, cli=False),
     Option(
+        "transparent_port", int, 0,
+        "Also listen in mitmproxy's transparent mode on 127.0.0.1:PORT, for capture without proxy settings (polar_mitm/capture.py: "
+        "a namespace's HTTPS is DNATed there; the session is the namespace's registered address). 0: off.",
+        "also capture transparently on 127.0.0.1:PORT, for `polar-mitm run --capture transparent` (default 0: off)", addon=False,
+    ),
+    Option(
         "upstream", str, "",
         "The inference engine's OpenAI-compatible base URL, e.g. http://127.0.0.1:8011/v1; several, comma-separated: each session stays "
         "on one engine, new sessions go to the least busy, an unreachable one is taken out and probed back (engines/pool.py).",

@@ -92,6 +92,10 @@ def make_master(config: GatewayConfig, start_line: TextIO | None = None, rollout
         # the body must reach our hook whole; never stream it past the addon
         "stream_large_bodies": None,
     }
+    if config.transparent_port:
+        # the regular mode keeps listen_host:listen_port; the transparent listener stays on loopback (capture.py DNATs
+        # to it with route_localnet)
+        updates["mode"] = ["regular", f"transparent@127.0.0.1:{config.transparent_port}"]
     if config.web:
         updates.update(web_open_browser=False, web_port=config.web_port, web_host="127.0.0.1")
     master.options.update(**updates)

@@ -78,6 +78,10 @@ class Runtime(Strict):
         "gateway",
         description="gateway: the sandbox reaches the gateway and nothing else (docker: no network, a relayed socket to the gateway; local: proxy settings only, not enforced). host: the machine's network (docker --network host).",
     )
+    capture: Literal["proxy", "transparent"] = Field(
+        "proxy",
+        description="How the harness's model calls reach the gateway. proxy: HTTPS_PROXY with the session's credentials. transparent (local backend, root; the node's gateway started with --transparent-port): the harness runs in a network namespace whose only way out is the gateway's transparent listener, with no proxy settings at all, for an agent that ignores them (polar_mitm/capture.py); prepare steps and the evaluator run outside it.",
+    )
     mount_harnesses: bool = Field(
         True,
         description="docker: bind-mount the host's pinned Node + harness install read-only at the same path; false: the image has them on its PATH.",
@@ -103,6 +107,8 @@ class Runtime(Strict):
                 raise ValueError(f"workdir: the docker runtime needs an absolute path in the container, got {self.workdir!r}")
             if self.backend == "local" and (path.is_absolute() or ".." in path.parts):
                 raise ValueError(f"workdir: the local runtime takes a path inside its fresh workspace (relative, no '..'), got {self.workdir!r}")
+        if self.capture == "transparent" and self.backend != "local":
+            raise ValueError("capture: transparent runs with the local backend; a docker sandbox already reaches nothing but the gateway (network: gateway)")
         if self.backend == "local":
             for step in self.prepare:
                 if isinstance(step, UploadStep) and (PurePosixPath(step.upload.target).is_absolute() or ".." in PurePosixPath(step.upload.target).parts):

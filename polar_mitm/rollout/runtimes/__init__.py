@@ -62,7 +62,10 @@ class Sandbox(abc.ABC):
         self.id = spec.sandbox_id
 
     def proxy_environment(self, base: Mapping[str, str]) -> dict[str, str]:
-        """`base` routed through the gateway as this session (host view: loopback URL, CA bundle in the confdir)."""
+        """`base` routed through the gateway as this session (host view: loopback URL, CA bundle in the confdir); with
+        `runtime.capture: transparent`, no proxy settings, only the CA (the capture namespace routes it)."""
+        if self.spec.runtime.capture == "transparent":
+            return routing.capture_environment(self.id, self.spec.gateway.confdir, base=base)
         return routing.proxy_environment(self.id, self.spec.gateway.confdir, self.spec.gateway.url, base=base)
 
     @abc.abstractmethod

@@ -1,7 +1,9 @@
 """The local runtime: each session in a fresh temp directory (workspace + private HOME + TMPDIR), as subprocesses.
 
 No isolation beyond that: the harness reaches the gateway through its proxy settings, but nothing stops a
-process from opening other connections (use the docker runtime for that). Every process started here
+process from opening other connections (use the docker runtime for that). With `runtime.capture: transparent` the
+harness runs in a capture namespace of its own instead (polar_mitm/capture.py): no proxy settings, and nothing but
+the gateway's transparent listener reachable. Every process started here
 carries POLAR_MITM_SANDBOX=<id> in its environment; `destroy` kills each process that still has it (also
 ones that left the process group, e.g. a tool's detached child), then removes the directory.
 """
@@ -17,6 +19,8 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from polar_mitm import routing
+from polar_mitm.capture import CaptureNamespace, open_namespace
 from polar_mitm.harnesses import Harness
 from polar_mitm.rollout.models import Agent, Upload
 from polar_mitm.rollout.runtimes import ExecResult, Sandbox, SandboxSpec, write_home_files
@@ -28,8 +32,12 @@ class LocalSandbox(Sandbox):
     def __init__(self, spec: SandboxSpec):
         super().__init__(spec)
         self.root: Path | None = None
+        self.namespace: CaptureNamespace | None = None
 
     async def start(self) -> None:
+        if self.spec.runtime.capture == "transparent":
+            listener = routing.transparent_listener(self.spec.gateway.confdir, self.spec.gateway.url)
+            self.namespace = await asyncio.to_thread(open_namespace, self.spec.gateway.confdir, self.id, listener)
         self.root = Path(tempfile.mkdtemp(prefix=f"polar-sandbox-{self.id[:60]}-"))
         workspace = self.root / "workspace"
         self.workdir = str(workspace / (self.spec.runtime.workdir or ""))
@@ -79,7 +87,7 @@ class LocalSandbox(Sandbox):
     async def run_harness(self, argv: list[str], env: dict[str, str], timeout: float, output: Path) -> int:
         output.parent.mkdir(parents=True, exist_ok=True)
         with output.open("wb") as sink:
-            process = await self._spawn(argv, env, sink)
+            process = await self._spawn(self.namespace.command(argv) if self.namespace else argv, env, sink)
             await self._wait(process, timeout, communicate=False)
         return process.returncode if process.returncode is not None else -1
 
@@ -88,6 +96,8 @@ class LocalSandbox(Sandbox):
 
     async def destroy(self) -> None:
         await asyncio.to_thread(kill_marked, self.id)
+        if self.namespace is not None:
+            await asyncio.to_thread(self.namespace.close)
         if self.root is not None:
             await asyncio.to_thread(shutil.rmtree, self.root, True)
 
