@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from polar_mitm.errors import RunError
+from polar_mitm.store.by_path import pid_alive
 
 CAPTURE_DIR = "polar-capture"
 SUBNET = ipaddress.ip_network("10.213.0.0/16")  # one /30 per namespace: 16,384 at once
@@ -223,20 +224,10 @@ def open_namespace(confdir: str | Path, session_id: str, listener: tuple[str, in
         for index in range(MAX_NAMESPACES):
             namespace = CaptureNamespace(index, session_id, root, listener, hosts)
             taken = registered_session(root, namespace.address)
-            if taken is not None and _alive(taken.pid):
+            if taken is not None and pid_alive(taken.pid):
                 continue
             if Path("/run/netns", namespace.name).exists() and taken is None:
                 continue  # another confdir's namespace (or one being set up without a registration yet)
             namespace.close()  # a dead run's leftovers, if any
             return namespace.open()
     raise CaptureError(f"transparent capture: all {MAX_NAMESPACES} namespaces are in use")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
