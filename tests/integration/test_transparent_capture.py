@@ -55,6 +55,15 @@ def leftovers(confdir: Path) -> list[str]:
     return [line for line in (namespaces + rules).splitlines() if "polar-cap-" in line] + registered
 
 
+@pytest.fixture(scope="module", autouse=True)
+def namespaces_can_be_made(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A machine that refuses namespaces or iptables' nat table (no CAP_NET_ADMIN) skips, saying why."""
+    try:
+        capture.open_namespace(tmp_path_factory.mktemp("probe"), "probe", listener=("127.0.0.1", 9)).close()
+    except capture.CaptureError as error:
+        pytest.skip(str(error))
+
+
 @pytest.fixture
 def transparent_gateway(make_gateway):
     return make_gateway("--transparent-port", str(free_port()))
