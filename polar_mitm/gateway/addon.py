@@ -267,14 +267,14 @@ class PolarAddon:
             # proxy connection, so without credentials: it keeps the session in its metadata, which survives
             # copies and flow files; its row is flagged replay, which keeps it out of trajectories
             return
-        if isinstance(flow.client_conn.proxy_mode, TransparentMode):
-            # no proxy, no credentials: the session is what its capture namespace registered for the client's address
+        if flow.client_conn not in self.sessions_by_connection and isinstance(flow.client_conn.proxy_mode, TransparentMode):
+            # no proxy, no credentials: the session is what its capture namespace registered for the client's address,
+            # read once per connection (a file read; the namespace outlives its connections)
             registration = capture.registered_session(ctx.options.confdir, flow.client_conn.peername[0])
             if registration is None and ctx.options.polar_require_auth:
                 flow.response = flows.capture_unregistered(flow.client_conn.peername[0])
                 return
-            flow.metadata["polar_session"] = registration.session_id if registration else session.DEFAULT_SESSION
-            return
+            self.sessions_by_connection[flow.client_conn] = (registration.session_id, "") if registration else None
         if flow.client_conn in self.sessions_by_connection:
             credentials = self.sessions_by_connection[flow.client_conn]
         else:

@@ -110,32 +110,19 @@ def settle(
     row["ended_at"] = ended_at
 
 
+# EngineRecord fields that are row columns of the same name; a Completion's go on the row as a whole
+RECORD_COLUMNS = (
+    "engine_request", "engine_response", "policy_version", "model_engine", "engine_started_at", "engine_ended_at",
+    "render_mode", "bridged", "bridge_reason", "output_parse_error",
+)
+COMPLETION_COLUMNS = ("prompt_token_ids", "completion_token_ids", "completion_logprobs", "finish_reason", "prompt_tokens", "completion_tokens")
+
+
 def apply_record(row: ExchangeRow, record: EngineRecord) -> None:
     """The engine call's columns, as far as it got (also for an attempt aborted by pause(abort), a row of its own)."""
-    if record.engine_request is not None:
-        row["engine_request"] = record.engine_request
-    if record.engine_response is not None:
-        row["engine_response"] = record.engine_response
-    if record.policy_version is not None:
-        row["policy_version"] = record.policy_version
-    if record.model_engine is not None:
-        row["model_engine"] = record.model_engine
-    if record.engine_started_at is not None:
-        row["engine_started_at"] = record.engine_started_at
-    if record.engine_ended_at is not None:
-        row["engine_ended_at"] = record.engine_ended_at
-    if record.render_mode is not None:
-        row["render_mode"] = record.render_mode
-    if record.bridged is not None:
-        row["bridged"] = record.bridged
-    if record.bridge_reason is not None:
-        row["bridge_reason"] = record.bridge_reason
-    if record.output_parse_error is not None:
-        row["output_parse_error"] = record.output_parse_error
+    for column in RECORD_COLUMNS:
+        if (value := getattr(record, column)) is not None:
+            row[column] = value  # type: ignore[literal-required]
     if (completion := record.completion) is not None:
-        row["prompt_token_ids"] = completion.prompt_token_ids
-        row["completion_token_ids"] = completion.completion_token_ids
-        row["completion_logprobs"] = completion.completion_logprobs
-        row["finish_reason"] = completion.finish_reason
-        row["prompt_tokens"] = completion.prompt_tokens
-        row["completion_tokens"] = completion.completion_tokens
+        for column in COMPLETION_COLUMNS:
+            row[column] = getattr(completion, column)  # type: ignore[literal-required]
