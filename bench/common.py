@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -40,6 +41,14 @@ FULL = Plan(rounds=8, requests={1: 50, 8: 48, 32: 128}, batch_cap_s=20.0, throug
 
 
 # -- processes ---------------------------------------------------------------------------------------------
+
+
+def raise_fd_limit() -> int:
+    """Raise the file-descriptor limit to its hard limit (services started later inherit it); the new limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
 def free_port() -> int:
@@ -151,3 +160,16 @@ def load_requests() -> list[dict[str, Any]]:
         spec["file"] = path.name
         specs.append(spec)
     return specs
+
+
+def check_alive(services: dict[str, Service]) -> None:
+    """Raise with its log's tail if a service died during a run (its figures would be of a dead process)."""
+    for service in services.values():
+        if service.process and service.process.poll() is not None:
+            raise RuntimeError(f"{service.name} died during the run:\n{service.log.read_text()[-2000:]}")
+
+
+def stop_all(services: dict[str, Service]) -> None:
+    """Stop every service, the last started first."""
+    for service in reversed(list(services.values())):
+        service.stop()

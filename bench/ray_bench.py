@@ -75,18 +75,18 @@ async def scheduler_bench(sessions: int, nodes: int, capacity: int, hold: float,
     import ray
 
     from polar_mitm.gateway.config import GatewayConfig
+    from polar_mitm.rollout.durable import DurableStore
     from polar_mitm.rollout.models import TaskRequest
     from polar_mitm.rollout.node import NodeConfig
     from polar_mitm.rollout.ray import config as ray_config
     from polar_mitm.rollout.ray import nodes as ray_nodes
-    from polar_mitm.rollout.ray.head_store import HeadStore
     from polar_mitm.rollout.session_run import SessionWork
     from polar_mitm.store import now
 
     actors = [ray.remote(SimulatedNode).options(num_cpus=0, max_concurrency=100_000).remote(hold) for _ in range(processes)]
     await asyncio.gather(*(a.load.remote() for a in actors))
     config = ray_config.ClusterConfig(node=NodeConfig(gateway=GatewayConfig(upstream="http://127.0.0.1:9/v1", db=tmp / "sched.duckdb"))).resolved()
-    head = HeadStore(Path(tempfile.mkdtemp(dir=tmp)) / "sched.head.duckdb")  # a fresh head per run
+    head = DurableStore(Path(tempfile.mkdtemp(dir=tmp)) / "sched.head.duckdb")  # a fresh head per run
     cluster = ray_nodes.RayNodes(config, head)
     for index in range(nodes):
         name = f"sim{index:03d}"
@@ -129,11 +129,11 @@ async def scheduler_bench(sessions: int, nodes: int, capacity: int, hold: float,
 
 def head_store_cost(n: int, tmp: Path) -> dict[str, Any]:
     """What the durable head's per-session writes cost alone (dispatched + ended)."""
+    from polar_mitm.rollout.durable import DurableStore
     from polar_mitm.rollout.models import SessionResult, TaskRequest
-    from polar_mitm.rollout.ray.head_store import HeadStore
     from polar_mitm.store import now
 
-    head = HeadStore(tmp / "cost.head.duckdb")
+    head = DurableStore(tmp / "cost.head.duckdb")
     request = TaskRequest(instruction="x", agent={"harness": "qwen"})
     ids = [f"c{i}" for i in range(n)]
     head.add_task("cost", request, ids, now())
@@ -199,10 +199,10 @@ async def nodes_bench(n: int, seconds: float, sessions_per_node: int, calls_per_
     from bench.client import Pool, Target
     from polar_mitm import session
     from polar_mitm.gateway.config import GatewayConfig
+    from polar_mitm.rollout.durable import DurableStore
     from polar_mitm.rollout.node import NodeConfig
     from polar_mitm.rollout.ray import config as ray_config
     from polar_mitm.rollout.ray import nodes as ray_nodes
-    from polar_mitm.rollout.ray.head_store import HeadStore
 
     base = tmp / f"nodes{n}"
     confdir = base / "confdir"
@@ -211,7 +211,7 @@ async def nodes_bench(n: int, seconds: float, sessions_per_node: int, calls_per_
         ray.init(address=cluster.address, namespace="polar-mitm-bench")
         try:
             config = ray_config.ClusterConfig(node=NodeConfig(gateway=gateway)).resolved()
-            nodes = ray_nodes.RayNodes(config, HeadStore(base / "head.duckdb"))
+            nodes = ray_nodes.RayNodes(config, DurableStore(base / "head.duckdb"))
             await nodes.discover()
             if len(nodes.nodes) != n:  # a node whose actor did not start would make this a run of fewer nodes
                 raise RuntimeError(f"{len(nodes.nodes)} of {n} node actors started (the head's log says why)")

@@ -56,7 +56,20 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.client import Target
-from bench.common import BENCH, CONFIGS, ENGINE_URL, FULL, QUICK, ROOT, Plan, Service, free_port, load_requests
+from bench.common import (
+    BENCH,
+    CONFIGS,
+    ENGINE_URL,
+    FULL,
+    QUICK,
+    ROOT,
+    Plan,
+    Service,
+    check_alive,
+    free_port,
+    load_requests,
+    stop_all,
+)
 from bench.ingest import measure_ingest
 from bench.latency import measure_engine, measure_latency
 from bench.report import machine, render
@@ -106,12 +119,9 @@ def main() -> int:
         targets = make_targets(services, tmp)
         results.update(asyncio.run(measure_all(services, targets, specs, plan, names)))
         results["stub_requests"] = stub_requests(services["stub"].port)
-        for service in services.values():
-            if service.process and service.process.poll() is not None:
-                raise RuntimeError(f"{service.name} died during the run:\n{service.log.read_text()[-2000:]}")
+        check_alive(services)
     finally:
-        for service in reversed(list(services.values())):
-            service.stop()
+        stop_all(services)
     results["ingest"] = measure_ingest(tmp, plan)
     if args.baseline:
         results["baseline"] = str(args.baseline)

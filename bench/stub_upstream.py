@@ -8,7 +8,8 @@ when it says `logprobs`, and streams one SSE event per token (written at once af
 comes back with ~14k prompt token ids, as a real engine's would.
 
 Run: python bench/stub_upstream.py --port 18090 --delay-ms 25 [--model-dir DIR]
-Endpoints: POST .../chat/completions, GET .../models, GET /stats (requests served, for the harness's sanity checks).
+Endpoints: POST .../chat/completions, POST /tokenize (a count, for the count endpoints), GET .../models, GET /stats
+(requests served, for the harness's sanity checks).
 With --model-dir (a model directory with tokenizer.json; bench/tokens_bench.py), also POST .../completions with
 `prompt` as token ids (token-in, as tokens mode calls vLLM): the prompt ids echoed, and as sampled ids the
 canonical tokens of the same reply text + <|im_end|>; /models names the directory as its `root`.
@@ -172,22 +173,27 @@ class StubServer:
                     body = await _read_chunked(reader)
                 else:
                     body = await reader.readexactly(int(headers.get("content-length") or 0))
-                status, content_type, payload = await self.answer(method, target.split("?", 1)[0], body)
-                if content_type.startswith("text/event-stream"):
-                    # streamed like uvicorn does: chunked transfer encoding
-                    writer.write(
-                        f"HTTP/1.1 {status}\r\ncontent-type: {content_type}\r\ntransfer-encoding: chunked\r\n\r\n".encode()
-                        + f"{len(payload):x}\r\n".encode() + payload + b"\r\n0\r\n\r\n"
-                    )
-                else:
-                    writer.write(f"HTTP/1.1 {status}\r\ncontent-type: {content_type}\r\ncontent-length: {len(payload)}\r\n\r\n".encode() + payload)
-                await writer.drain()
-                if headers.get("connection", "").lower() == "close":
+                if not await self.respond(writer, method, target.split("?", 1)[0], body) or headers.get("connection", "").lower() == "close":
                     return
         except (ConnectionError, asyncio.IncompleteReadError):
             return
         finally:
             writer.close()
+
+    async def respond(self, writer: asyncio.StreamWriter, method: str, path: str, body: bytes) -> bool:
+        """Answer one request on `writer`; False: the connection is done (a stand-in that breaks it on purpose,
+        bench/soak_engine.py, overrides this)."""
+        status, content_type, payload = await self.answer(method, path, body)
+        if content_type.startswith("text/event-stream"):
+            # streamed like uvicorn does: chunked transfer encoding
+            writer.write(
+                f"HTTP/1.1 {status}\r\ncontent-type: {content_type}\r\ntransfer-encoding: chunked\r\n\r\n".encode()
+                + f"{len(payload):x}\r\n".encode() + payload + b"\r\n0\r\n\r\n"
+            )
+        else:
+            writer.write(f"HTTP/1.1 {status}\r\ncontent-type: {content_type}\r\ncontent-length: {len(payload)}\r\n\r\n".encode() + payload)
+        await writer.drain()
+        return True
 
     async def answer(self, method: str, path: str, body: bytes) -> tuple[str, str, bytes]:
         if method == "GET" and path.endswith("/models"):
@@ -201,6 +207,9 @@ class StubServer:
             self.requests += 1
             await asyncio.sleep(self.delay)
             return "200 OK", "application/json", self.completion(json.loads(body))
+        if method == "POST" and path == "/tokenize":
+            # vLLM's chat /tokenize (the count endpoints' engine call): a quarter of the body's bytes, as above
+            return "200 OK", "application/json", json.dumps({"count": max(1, len(body) // 4), "max_model_len": MAX_PROMPT_TOKENS, "tokens": [], "token_strs": None}).encode()
         if method != "POST" or not path.endswith("/chat/completions"):
             return "404 Not Found", "application/json", b'{"error":{"message":"not found","type":"NotFoundError","code":404}}'
         try:

@@ -323,11 +323,12 @@ class RolloutClient(_RolloutCalls, _SyncTransport):
     """Submit a group (a TaskRequest) to the rollout server, await its SessionResults, fetch its trajectories.
 
     Refusals raise `ServerRefused` (a ClientError) with the server's message: 422 a request that cannot run (the
-    message names the field), 409 a task_id taken by another request, 404 an unknown task or session.
+    message names the field), 409 a task_id taken by another request, 404 an unknown task or session, 401 a
+    missing or wrong `token` (a server started with --api-token).
     """
 
-    def __init__(self, url: str, timeout: float = 30.0):
-        super().__init__(url, timeout)
+    def __init__(self, url: str, timeout: float = 30.0, token: str | None = None):
+        super().__init__(url, timeout, _bearer(token))
 
     def submit(self, task: Mapping[str, Any] | BaseModel) -> JSON:
         """POST /tasks; returns {task_id, session_ids, status_url}. Put the policy version the group is submitted
@@ -388,8 +389,8 @@ class RolloutClient(_RolloutCalls, _SyncTransport):
 class AsyncRolloutClient(_RolloutCalls, _AsyncTransport):
     """`RolloutClient` on an event loop: the same calls, answers and errors, awaited."""
 
-    def __init__(self, url: str, timeout: float = 30.0):
-        super().__init__(url, timeout)
+    def __init__(self, url: str, timeout: float = 30.0, token: str | None = None):
+        super().__init__(url, timeout, _bearer(token))
 
     async def submit(self, task: Mapping[str, Any] | BaseModel) -> JSON:
         return await self._send(self._submit(task))

@@ -19,6 +19,8 @@ It talks to polar-mitm over HTTP and reads its Parquet files; nothing of the ser
     batch.to_torch()["input_ids"]
 
 `AsyncRolloutClient` and `AsyncGatewayControl` are the same clients for an event loop (`await rollouts.wait(...)`).
+A server started with a bearer token (`rollout serve --api-token`, `gateway --control-token`; required beyond
+loopback) takes it as `RolloutClient(url, token=...)` / `GatewayControl(url, token=...)`.
 """
 
 from __future__ import annotations

@@ -103,6 +103,7 @@ class EngineRecord:
     render_mode: str | None = None  # "chat" (the engine renders) or "tokens" (the gateway does)
     bridged: bool | None = None
     bridge_reason: str | None = None
+    bridge_key: str | None = None  # tokens mode: what a later turn's history is matched against (render/bridge.py)
     output_parse_error: str | None = None
 
 

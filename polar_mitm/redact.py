@@ -1,8 +1,18 @@
-"""Provider API keys never reach the store or the logs."""
+"""Provider API keys never reach the store, the logs, the engine or mitmproxy's flows.
+
+A model call's secrets are what its request names as one (the headers and query parameters providers take keys
+in, body fields named like a key) and anything in it shaped like a provider key (OpenAI / Anthropic `sk-...`,
+Google `AIza...`), wherever it is, e.g. pasted into a message. The gateway scrubs them from the request before
+it is parsed (so neither the engine, nor the prompt's tokens, nor the row hold them) and from the flow mitmproxy
+keeps (mitmweb, `save_stream_file`, mitmdump's log).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import json
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
 from urllib.parse import parse_qsl, urlencode
 
 REDACTED = "[REDACTED]"
@@ -19,9 +29,27 @@ SECRET_HEADERS = frozenset(
     }
 )
 SECRET_QUERY_KEYS = frozenset({"key", "api_key", "api-key"})
+# JSON body fields whose string value is a credential, compared without case, "-" and "_" (api_key, apiKey, x-api-key)
+SECRET_BODY_FIELDS = frozenset({"apikey", "xapikey", "xgoogapikey", "authorization", "accesstoken", "authtoken", "secretkey", "clientsecret"})
+# a provider key's shape: OpenAI (sk-, sk-proj-, ...), Anthropic (sk-ant-...), Google (AIza...); mixed case and a digit,
+# so that words like "sk-learn-compatible-estimators" are not taken for one
+# (one pattern per prefix, each starting with its literal, so re scans for it at C speed; the character before a
+# match is checked apart: a leading lookbehind made re try every position, ~2 ms per 50 KB request)
+_KEY_SHAPES = (re.compile(r"sk-[A-Za-z0-9_-]{20,}"), re.compile(r"AIza[0-9A-Za-z_-]{35}(?![A-Za-z0-9_-])"))
+_KEY_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
+# the JSON spelling of those field names once a body is lowercased and stripped of "-" and "_": a body without one
+# has no such field (JSON encoders never escape letters, "-" or "_" in a name), so it is not parsed a second time
+_QUOTED_FIELDS = tuple(f'"{name}"' for name in SECRET_BODY_FIELDS)
+# a secret shorter than this is scrubbed from the stored request only, not from what the engine sees: placeholders such
+# as "test" or "EMPTY" are words a prompt may hold; real provider keys are longer (39-100+ characters)
+ENGINE_SCRUB_MIN = 16
 
 
-def secret_values(headers: Iterable[tuple[str, str]], query: Iterable[tuple[str, str]] = ()) -> list[str]:
+def _looks_like_key(text: str) -> bool:
+    return any(c.isdigit() for c in text) and any(c.isupper() for c in text) and any(c.islower() for c in text)
+
+
+def secret_values(headers: Iterable[tuple[str, str]], query: Iterable[tuple[str, str]] = (), body: bytes = b"") -> list[str]:
     """The secret strings in a request, so they can also be scrubbed from its body."""
     found = []
     for name, value in headers:
@@ -34,7 +62,57 @@ def secret_values(headers: Iterable[tuple[str, str]], query: Iterable[tuple[str,
     for name, value in query:
         if name.lower() in SECRET_QUERY_KEYS and value:
             found.append(value)
+    if body:
+        text = body.decode("utf-8", "replace")
+        found.extend(_body_field_secrets(text))
+        found.extend(_key_shaped(text))
     return [s for s in found if len(s) >= 4]
+
+
+def _key_shaped(text: str) -> list[str]:
+    """Strings shaped like a provider key, not part of a longer word."""
+    return [
+        match.group()
+        for shape in _KEY_SHAPES
+        for match in shape.finditer(text)
+        if (match.start() == 0 or text[match.start() - 1] not in _KEY_CHARS) and _looks_like_key(match.group())
+    ]
+
+
+def _body_field_secrets(text: str) -> list[str]:
+    """The string values of fields named like a credential, anywhere in a JSON body."""
+    squashed = text.lower().replace("-", "").replace("_", "")
+    if not any(name in squashed for name in _QUOTED_FIELDS):
+        return []
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError):  # not JSON, or nested too deep to parse (the dialect refuses it with a 400)
+        return []
+    found: list[str] = []
+    # a stack, not recursion: a body nested as deep as json parses must not stop the exchange here
+    stack: list[Any] = [data]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            for name, value in node.items():
+                if isinstance(value, str) and name.lower().replace("-", "").replace("_", "") in SECRET_BODY_FIELDS:
+                    found.append(value)
+                else:
+                    stack.append(value)
+        elif isinstance(node, list):
+            stack.extend(node)
+    return found
+
+
+def scrub_body(body: bytes, secrets: Iterable[str]) -> bytes:
+    """The request body with every secret of at least ENGINE_SCRUB_MIN characters replaced (what the engine and the
+    flow get). Keys are JSON-safe characters, so a JSON body stays JSON."""
+    strong = [s for s in secrets if len(s) >= ENGINE_SCRUB_MIN]
+    if not strong or not body:
+        return body
+    text = body.decode("utf-8", "surrogateescape")
+    scrubbed = redact_text(text, strong)
+    return body if scrubbed == text else scrubbed.encode("utf-8", "surrogateescape")
 
 
 def redact_headers(headers: Iterable[tuple[str, str]]) -> dict[str, str]:
@@ -49,6 +127,21 @@ def redact_query(query: str) -> str:
         return query
     pairs = parse_qsl(query, keep_blank_values=True)
     return urlencode([(k, REDACTED if k.lower() in SECRET_QUERY_KEYS else v) for k, v in pairs])
+
+
+# environment variable names whose values are credentials (OPENAI_API_KEY, GITHUB_TOKEN, AWS_SECRET_ACCESS_KEY, ...)
+_SECRET_ENV_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
+
+
+def env_secrets(env: Mapping[str, str]) -> list[str]:
+    """The values of the variables named like a credential (at least 4 characters: shorter ones are no secret)."""
+    return [value for name, value in env.items() if _SECRET_ENV_NAME.search(name) and len(value) >= 4]
+
+
+def scrub_output(text: str, secrets: Iterable[str] = ()) -> str:
+    """A program's output (a harness's, an evaluator's) as it may be kept and sent: `secrets` and anything shaped like
+    a provider key redacted (a harness may print its environment or echo a key it was given)."""
+    return redact_text(text, [*secrets, *_key_shaped(text)]) if text else text
 
 
 def redact_text(text: str, secrets: Iterable[str]) -> str:

@@ -26,6 +26,18 @@ def engine_url() -> Iterator[str]:
     yield url
     if engine.started_here:
         engine.stop()
+    else:  # reused on purpose: named at the end of the run (pytest_terminal_summary)
+        REUSED_ENGINES.append(engine)
+
+
+REUSED_ENGINES: list = []
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """What the run leaves up on purpose: an engine it found running and reused, with its memory and how to stop it."""
+    for engine in REUSED_ENGINES:
+        if note := engine.left_running():
+            terminalreporter.write_line(f"polar-mitm tests: {note}")
 
 
 from polar_mitm.util import free_port  # noqa: E402

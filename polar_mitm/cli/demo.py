@@ -27,21 +27,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    engine_url = args.engine_url
+    if not engine_url:
+        from polar_mitm.local_engine import LocalEngine
+
+        print("demo: starting the local engine (first run builds it; later runs reuse it)...", flush=True)
+        engine = LocalEngine()
+        engine_url = engine.start()
+        try:
+            return _demo_on(args, engine_url)
+        finally:
+            if note := engine.left_running():
+                print(f"demo: {note}", file=sys.stderr)
+    if problem := _engine_problem(engine_url):
+        print(f"demo: no engine at --engine-url {engine_url} ({problem}); start one (`polar-mitm engine start`) or leave out --engine-url", file=sys.stderr)
+        return 1
+    return _demo_on(args, engine_url)
+
+
+def _demo_on(args: argparse.Namespace, engine_url: str) -> int:
     import openai
 
     from polar_mitm import session, store
     from polar_mitm.debug.tables import format_table
     from polar_mitm.util import free_port
 
-    engine_url = args.engine_url
-    if not engine_url:
-        from polar_mitm.local_engine import LocalEngine
-
-        print("demo: starting the local engine (first run builds it; later runs reuse it)...", flush=True)
-        engine_url = LocalEngine().start()
-    elif problem := _engine_problem(engine_url):
-        print(f"demo: no engine at --engine-url {engine_url} ({problem}); start one (`polar-mitm engine start`) or leave out --engine-url", file=sys.stderr)
-        return 1
     # a private confdir: the demo's CA (its private key too) lives only as long as the demo
     confdir = Path(tempfile.mkdtemp(prefix="polar-demo-"))
     port = free_port()

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from polar_mitm import api_auth
 from polar_mitm.cli import rollout_tasks
 from polar_mitm.cli.rollout_tasks import DEFAULT_PORT, add_server_argument
 from polar_mitm.errors import ClientError
@@ -39,7 +40,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     commands = parser.add_subparsers(dest="rollout_command", required=True)
 
     serve = commands.add_parser("serve", help="run the rollout HTTP API with its own gateway node")
-    serve.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"API port on 127.0.0.1 (default {DEFAULT_PORT})")
+    serve.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"API port (default {DEFAULT_PORT})")
+    serve.add_argument("--host", default="127.0.0.1", help="API listen address (default 127.0.0.1; beyond loopback --api-token is required)")
+    serve.add_argument(
+        "--api-token", default=api_auth.env_token(api_auth.ROLLOUT_TOKEN_ENV), metavar="TOKEN",
+        help=f"bearer token every API call must carry (default ${api_auth.ROLLOUT_TOKEN_ENV}; required beyond loopback)",
+    )
     _node_arguments(serve)
     serve.add_argument(
         "--ray", nargs="?", const="auto", metavar="ADDRESS",
@@ -74,6 +80,10 @@ def _node_arguments(parser: argparse.ArgumentParser, upstream_required: bool = T
         overrides["upstream"] = {"required": False, "default": None, "help": "engine base URL (default: the local engine, started or reused as by `polar-mitm engine start`)"}
     options.add_arguments(parser, exclude=NODE_SETS, overrides=overrides, prefix=GATEWAY)
     parser.add_argument("--output", type=Path, help="harness logs and Parquet files (default: <db>.rollouts/)")
+    parser.add_argument(
+        "--state", type=Path,
+        help="the server's durable state: tasks, session states, callback deliveries; a server restarted on it reports its tasks again (serve: default <db>.rollout.duckdb; run: only when given, so a task file run again runs again; with --ray: --head-db)",
+    )
     for stage, default in (("prepare", 2), ("run", 2), ("build", 1), ("evaluate", 2)):
         parser.add_argument(f"--{stage}-limit", type=int, default=default, help=f"sessions in the {stage} stage at once (default {default})")
 
@@ -89,7 +99,7 @@ def _node_config(args: argparse.Namespace):
     )
 
 
-def _uvicorn_server(args: argparse.Namespace, port: int):
+def _uvicorn_server(args: argparse.Namespace, port: int, host: str = "127.0.0.1", api_token: str | None = None):
     import uvicorn
 
     from polar_mitm.rollout.server import LocalBackend, create_app
@@ -97,20 +107,32 @@ def _uvicorn_server(args: argparse.Namespace, port: int):
     if getattr(args, "ray", None):
         from polar_mitm.rollout.ray import ClusterConfig, RolloutCluster
 
-        app = create_app(RolloutCluster(ClusterConfig(address=args.ray, node=_node_config(args), head_db=args.head_db, node_data=args.node_data)))
+        app = create_app(RolloutCluster(ClusterConfig(address=args.ray, node=_node_config(args), head_db=args.head_db, node_data=args.node_data)), api_token)
     else:
-        app = create_app(LocalBackend(_node_config(args)))
-    return uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="info" if args.gateway_verbose else "warning", timeout_graceful_shutdown=10))
+        app = create_app(LocalBackend(_node_config(args), state=state_path(args)), api_token)
+    return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info" if args.gateway_verbose else "warning", timeout_graceful_shutdown=10))
+
+
+def state_path(args: argparse.Namespace) -> Path | None:
+    """The single-machine server's state file: --state, else for `serve` <db>.rollout.duckdb beside the node's store.
+    `run` is one task to its end: without --state it keeps none, so running a task file (with its task_id) again
+    runs it again rather than answering with the task the last run left."""
+    if args.state is not None:
+        return args.state.resolve()
+    return Path(args.gateway_db).with_suffix(".rollout.duckdb").resolve() if args.rollout_command == "serve" else None
 
 
 def _serve(args: argparse.Namespace) -> int:
     from polar_mitm.rollout.server import serve
 
-    server = _uvicorn_server(args, args.port)
+    if refusal := api_auth.refusal_to_listen(args.host, args.api_token, "the rollout server", f"--api-token or ${api_auth.ROLLOUT_TOKEN_ENV}"):
+        print(f"polar-mitm rollout: {refusal}", file=sys.stderr)
+        return 2
+    server = _uvicorn_server(args, args.port, args.host, args.api_token)
     unfinished, signals = _unfinished_at_stop(server)
     try:
         # the backend (gateway node, or Ray cluster) first: one that cannot start is one line and exit 2
-        if serve(server, f"polar-mitm rollout: serving on http://127.0.0.1:{args.port} (store {args.gateway_db})"):
+        if serve(server, f"polar-mitm rollout: serving on http://{args.host}:{args.port}{' (bearer token required)' if args.api_token else ''} (store {args.gateway_db})"):
             return 2
     except KeyboardInterrupt:  # uvicorn shut down cleanly first, then raised the Ctrl-C it had caught
         pass
@@ -161,11 +183,11 @@ def _submit(args: argparse.Namespace) -> int:
     accepted: dict[str, Any] | None = None
     try:
         task = load_task(args.task)
-        accepted = asyncio.run(submit_and_follow(args.server.rstrip("/"), task, wait=False))
+        accepted = asyncio.run(submit_and_follow(args.server.rstrip("/"), task, wait=False, token=args.api_token))
         if not args.wait:
             print(accepted["task_id"])
             return 0
-        with RolloutClient(args.server, timeout=60) as client:
+        with RolloutClient(args.server, timeout=60, token=args.api_token) as client:
             result = client.wait(accepted["task_id"], timeout=None, on_poll=Progress(sys.stderr))
     except ClientError as error:
         print(f"polar-mitm rollout: {error}", file=sys.stderr)
@@ -197,6 +219,15 @@ def _submit_interrupted_line(args: argparse.Namespace, task: dict[str, Any], acc
 
 
 def _run(args: argparse.Namespace) -> int:
+    """`rollout run`: the task to its end; then, when it used the local engine (left up for the next run, on purpose),
+    one line saying so, with what it holds and how to stop it."""
+    code = _run_task(args)
+    if (engine := getattr(args, "local_engine", None)) is not None and (note := engine.left_running()):
+        print(f"polar-mitm rollout: {note}", file=sys.stderr)
+    return code
+
+
+def _run_task(args: argparse.Namespace) -> int:
     from polar_mitm.client import AsyncRolloutClient
     from polar_mitm.rollout.console import Progress, load_task, submit_and_follow, summary_table
     from polar_mitm.util import free_port
@@ -211,7 +242,8 @@ def _run(args: argparse.Namespace) -> int:
 
         print("polar-mitm rollout: starting the local engine (first run builds it; later runs reuse it)...", file=sys.stderr, flush=True)
         try:
-            args.gateway_upstream = LocalEngine().start()
+            args.local_engine = LocalEngine()
+            args.gateway_upstream = args.local_engine.start()
         except Exception as error:  # noqa: BLE001 - any way the engine fails to start ends this command the same
             print(f"polar-mitm rollout: the local engine did not start ({error}); pass --upstream URL", file=sys.stderr)
             return 2

@@ -25,6 +25,8 @@ CANCEL_WAIT_S = 60.0
 
 def add_server_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--server", default=os.environ.get("POLAR_MITM_ROLLOUT", DEFAULT_SERVER), help=f"rollout server URL (default $POLAR_MITM_ROLLOUT or {DEFAULT_SERVER})")
+    # the default is read from the environment, never shown in --help
+    parser.add_argument("--api-token", default=os.environ.get("POLAR_MITM_API_TOKEN") or None, metavar="TOKEN", help="the server's bearer token (default $POLAR_MITM_API_TOKEN)")
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -50,7 +52,7 @@ def register(commands: argparse._SubParsersAction) -> None:
 def _list(args: argparse.Namespace) -> int:
     from polar_mitm.client import RolloutClient
 
-    with RolloutClient(args.server) as client:
+    with RolloutClient(args.server, token=args.api_token) as client:
         tasks = _call(args, lambda: client.tasks())
     if tasks is None:
         return 2
@@ -83,7 +85,7 @@ def _status(args: argparse.Namespace) -> int:
     from polar_mitm.client import RolloutClient
     from polar_mitm.rollout.console import Progress, summary_table
 
-    with RolloutClient(args.server, timeout=60) as client:
+    with RolloutClient(args.server, timeout=60, token=args.api_token) as client:
         if args.wait:
             try:
                 result = _call(args, lambda: client.wait(args.task_id, timeout=None, on_poll=Progress(sys.stderr)))
@@ -112,7 +114,7 @@ def _cancel(args: argparse.Namespace) -> int:
     from polar_mitm.rollout.console import task_line
     from polar_mitm.rollout.models import FINAL_STATUSES
 
-    with RolloutClient(args.server, timeout=60) as client:
+    with RolloutClient(args.server, timeout=60, token=args.api_token) as client:
         before = _call(args, lambda: client.task(args.task_id))
         if before is None:
             return 1 if getattr(args, "not_found", False) else 2

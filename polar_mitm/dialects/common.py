@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import orjson
@@ -24,13 +25,43 @@ def load_json_object(body: bytes) -> dict[str, Any]:
 
 
 def _load_json_leniently(body: bytes) -> Any:
-    """What orjson refuses, json may accept (NaN, integers beyond 64 bits); otherwise json words the error."""
+    """What orjson refuses, json may accept: integers beyond 64 bits, and lone surrogates (a JavaScript harness
+    that cut a string inside an emoji sends "\\ud83d"), which become U+FFFD, since neither the engine's JSON nor the
+    store takes them. NaN and Infinity are refused, as JSON and the providers do: the engine would get them as
+    they are and fail. Otherwise json words the error."""
     try:
-        return json.loads(body)
+        data = json.loads(body, parse_constant=_refuse_constant)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise DialectError(400, "invalid_request_error", f"the request body is not valid JSON: {error}") from error
     except RecursionError as error:
         raise DialectError(400, "invalid_request_error", "the request body nests JSON too deeply") from error
+    return _without_lone_surrogates(data)
+
+
+def _refuse_constant(name: str) -> Any:
+    raise DialectError(400, "invalid_request_error", f"the request body is not valid JSON: {name} is not a JSON number")
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # json.loads has joined the valid pairs already
+
+
+def _without_lone_surrogates(data: Any) -> Any:
+    """`data` with every lone surrogate in its strings and keys replaced by U+FFFD (a stack, not recursion: json
+    parsed it, so it may nest as deep as the interpreter's limit)."""
+    if isinstance(data, str):
+        return _LONE_SURROGATE.sub("\ufffd", data)
+    stack = [data]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            for key in [key for key in node if _LONE_SURROGATE.search(key)]:
+                node[_LONE_SURROGATE.sub("\ufffd", key)] = node.pop(key)
+        for at, value in list(node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()):
+            if isinstance(value, str):
+                node[at] = _LONE_SURROGATE.sub("\ufffd", value)
+            elif isinstance(value, (dict, list)):
+                stack.append(value)
+    return data
 
 
 def expect(data: dict[str, Any], key: str, kinds: type | tuple[type, ...], required: bool = False, where: str = "") -> Any:

@@ -517,7 +517,7 @@ def _parts(parsed: ParsedRequest, completion: Completion) -> tuple[list[dict[str
     """The reply's (thought, text, functionCall) parts, in the order Google sends them."""
     thought_parts: list[dict[str, Any]] = []
     text_parts: list[dict[str, Any]] = []
-    call_parts = [{"functionCall": {"name": call.name, "args": _arguments(call.arguments, call.name)}} for call in completion.tool_calls]
+    call_parts = [{"functionCall": {"name": call.name, "args": _arguments(call.arguments)}} for call in completion.tool_calls]
     if completion.content or not call_parts:
         text_parts.append({"text": completion.content or ""})
     if completion.reasoning:
@@ -546,11 +546,15 @@ def _unseal_signature(signature: Any) -> str | None:
     return reasoning.unseal(sealed)
 
 
-def _arguments(arguments: str, name: str) -> dict[str, Any]:
-    args = json.loads(arguments or "{}")
-    if not isinstance(args, dict):
-        raise ValueError(f"the engine's call of {name!r} has arguments that are not a JSON object: {arguments[:200]!r}")
-    return args
+def _arguments(arguments: str) -> dict[str, Any]:
+    """functionCall.args is always an object (a Struct). Arguments that are not one (a model's malformed call) are
+    kept whole, as the Anthropic dialect keeps them (the row has the engine's original): the harness gets the call
+    and its tool's error, not an HTTP 500 for a sample the engine did make."""
+    try:
+        args = json.loads(arguments or "{}")
+    except json.JSONDecodeError:
+        args = None
+    return args if isinstance(args, dict) else {"_arguments": arguments}
 
 
 def _usage(completion: Completion) -> dict[str, int]:

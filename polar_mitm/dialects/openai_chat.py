@@ -68,7 +68,7 @@ def _check_message(message: Any, index: int, notes: Notes) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise DialectError(400, "invalid_request_error", f"'{where}' must be an object", where)
     role = message.get("role")
-    if role not in ROLES:
+    if not isinstance(role, str) or role not in ROLES:  # a list or an object is unhashable: no set lookup for it
         raise DialectError(400, "invalid_request_error", f"'{where}.role' must be one of {sorted(ROLES)}, got {role!r}", f"{where}.role")
     content = message.get("content")
     if content is not None and not isinstance(content, (str, list)):

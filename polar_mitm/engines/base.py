@@ -126,6 +126,10 @@ def _decode_with_lazy_prompt_ids(text: str) -> WireJSON | None:
     return WireJSON(value, text, True)
 
 
+# how long a new connection to the engine may take: past it, the call fails as engine_timeout, saying so
+CONNECT_TIMEOUT_S = 10.0
+
+
 class Engine:
     kind = "openai"
 
@@ -159,7 +163,7 @@ class Engine:
         # made on first use: an aiohttp session belongs to the running event loop
         if self.client is None or self.client.closed:
             self.client = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=10.0, sock_read=self.timeout),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=self.timeout),
                 # idle connections close before uvicorn's 5 s keep-alive does, so a reused one is never half-closed
                 connector=aiohttp.TCPConnector(limit=512, keepalive_timeout=4.0),
             )
@@ -294,11 +298,15 @@ class Engine:
             data = (body.text if isinstance(body, WireJSON) else json.dumps(body, ensure_ascii=False)).encode()
         limit = self.timeout if timeout is None else timeout
         # only a call's own limit is passed: aiohttp reads timeout=None as "no limit", not as the session's
-        per_call: dict[str, Any] = {"timeout": aiohttp.ClientTimeout(total=None, sock_connect=10.0, sock_read=limit)} if timeout is not None else {}
+        per_call: dict[str, Any] = {"timeout": aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=limit)} if timeout is not None else {}
         try:
             async with self._http().request(method, url, data=data, headers={"content-type": "application/json"} if data is not None else None, **per_call) as response:
                 status = response.status
                 text = (await response.read()).decode("utf-8", "replace")
+        except aiohttp.ConnectionTimeoutError as error:  # a TimeoutError too, but not the engine's slowness: say which
+            # seen in bench/scale.py at 1,000 sessions in tokens mode, where the event loop was so far behind that
+            # connections took longer than this, and the message blamed the 600 s read limit
+            raise EngineError("engine_timeout", f"no connection to the inference engine at {self.base_url} within {CONNECT_TIMEOUT_S:g}s", 504) from error
         except TimeoutError as error:  # aiohttp's socket timeouts are TimeoutErrors too
             raise EngineError("engine_timeout", f"the inference engine did not answer within {limit:g}s ({type(error).__name__})", 504) from error
         except aiohttp.ClientError as error:

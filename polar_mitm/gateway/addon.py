@@ -15,7 +15,6 @@ import asyncio
 import dataclasses
 import fnmatch
 import gc
-import hmac
 import json
 import logging
 import sys
@@ -28,7 +27,7 @@ from typing import Any, TextIO, TypeVar
 from mitmproxy import addonmanager, connection, ctx, exceptions, http
 from mitmproxy.proxy.mode_specs import ProxyMode, TransparentMode
 
-from polar_mitm import capture, dialects, routing, session
+from polar_mitm import api_auth, capture, dialects, routing, session
 from polar_mitm.dialects import CountsTokens, Dialect
 from polar_mitm.engines import EngineClient, Reachability, make_engine
 from polar_mitm.engines.pool import CURRENT_SESSION
@@ -36,6 +35,7 @@ from polar_mitm.errors import CallAbandoned, ConfigError, PolarError, RenderErro
 from polar_mitm.exchange import EngineError, EngineRecord, ParsedRequest, StreamState
 from polar_mitm.gateway import flows, options
 from polar_mitm.gateway.control import PolicyControl
+from polar_mitm.gateway.delivery import Deliveries
 from polar_mitm.gateway.engine_side import EngineHook, EngineSide, unstreamed_timeout
 from polar_mitm.gateway.outcome import CommitFailed, Outcome, outcome_of, settle
 from polar_mitm.gateway.startup import open_when_readers_leave, why_not_opened
@@ -81,6 +81,7 @@ class PolarAddon:
         self.tokens: TokenPath | None = None  # --render tokens
         self.streams = LoopbackStreams()  # streamed replies leave through a loopback server (gateway/streaming.py)
         self.stream_tasks: set[asyncio.Task[None]] = set()
+        self.deliveries = Deliveries(self._mark)  # replies committed ok that may never reach their client (delivery.py)
         self.control = PolicyControl(model_exists=self._engine_serves, engines=lambda: self.engine.reachability() if self.engine else [])
         self.listen: tuple[str, int] | None = None
         self.log_shown = True  # mitmproxy's termlog prints our log (-v, --web); else warnings are printed (_tell)
@@ -112,10 +113,16 @@ class PolarAddon:
             for reach in self.engine.reachability() if self.engine else []:
                 reach.on_change = self._engine_changed
         if updated & {"polar_upstream", "polar_engine", "polar_engine_model", "polar_engine_timeout", "polar_split_reasoning", "polar_engine_max_model_len", "polar_render", "polar_render_model", "polar_tool_parser"}:
-            if ctx.options.polar_render == "tokens" and "," in ctx.options.polar_upstream:
+            render = ctx.options.polar_render
+            several = "," in ctx.options.polar_upstream
+            if render == "tokens" and several:
                 raise exceptions.OptionsError("polar_render tokens works with one upstream engine; several are routed in chat mode only")
-            tokens = self.engine if ctx.options.polar_render == "tokens" else None
-            self.tokens = TokenPath(tokens, ctx.options.polar_render_model or None, ctx.options.polar_tool_parser) if tokens is not None else None
+            if render == "auto" and several:
+                log.warning("polar: --render auto: chat mode (the engine renders prompts), since several upstream engines are routed in chat mode only")
+            tokens = self.engine if render == "tokens" or (render == "auto" and not several) else None
+            self.tokens = TokenPath(
+                tokens, ctx.options.polar_render_model or None, ctx.options.polar_tool_parser, stored=lambda: self.store, fallback=render == "auto",
+            ) if tokens is not None else None
         if "polar_model_map" in updated:
             self.model_map = []
             for entry in ctx.options.polar_model_map:
@@ -142,11 +149,17 @@ class PolarAddon:
             self.secret = session.load_secret(ctx.options.confdir)
         if "polar_keepalive_interval" in updated and ctx.options.polar_keepalive_interval < 0:
             raise exceptions.OptionsError("polar_keepalive_interval must be 0 (off) or positive")
+        for name in updated & {"polar_store_memory_mb", "polar_store_journal_mb", "polar_store_compact_slice_mb"}:
+            if getattr(ctx.options, name) < 0:
+                raise exceptions.OptionsError(f"{name} must be 0 (DuckDB's default / no limit) or positive")
 
     def _open_store(self) -> None:
         db = Path(ctx.options.polar_db)
         try:
-            self.store = open_when_readers_leave(db)
+            # the store says in one line when it cannot write and when it writes again (not a line per request)
+            self.store = open_when_readers_leave(
+                db, ctx.options.polar_store_memory_mb, ctx.options.polar_store_journal_mb, ctx.options.polar_store_compact_slice_mb, self._tell,
+            )
             self.store.serve_sql(ctx.options.polar_sql_port)
         except Exception as error:  # noqa: BLE001 - a startup failure, told in one line (errorcheck exits)
             if self.store is not None:
@@ -156,15 +169,22 @@ class PolarAddon:
 
     async def running(self) -> None:
         self.log_shown = ctx.master.addons.get("termlog") is not None
+        # where it really listens (mitmproxy has bound its listeners by now): beyond loopback, without a token, its
+        # /control/* would be open to the network
+        proxyserver = ctx.master.addons.get("proxyserver")
+        for host, *_ in proxyserver.listen_addrs() if proxyserver else []:
+            if refusal := api_auth.refusal_to_listen(host, ctx.options.polar_control_token or None, "the gateway", "polar_control_token"):
+                log.error(refusal)
+                return  # errorcheck stops the gateway, before the store is opened
         model = None
         if self.engine is None:
             log.warning("polar: no polar_upstream set; model calls will be answered 503")
         else:
             try:
                 model = await self.engine.discover()
-                if self.tokens is not None:
+                if self.tokens is not None and await self.tokens.in_use():
                     renderer = await self.tokens.renderer()  # now rather than in the first exchange (seconds)
-                    log.info(f"polar: tokens mode renders with the chat template of {renderer.source}")
+                    log.info(f"polar: tokens mode renders with the chat template of {renderer.source} (tool parser {self.tokens.tool_format})")
             except RenderError as error:  # kept: every model call is answered with it
                 log.warning(f"polar: tokens mode: {error.message}")
             except EngineError as error:
@@ -245,6 +265,7 @@ class PolarAddon:
                 await asyncio.wait_for(self.all_committed.wait(), SHUTDOWN_COMMIT_S)
             except TimeoutError:
                 log.error(f"polar: {self.open_exchanges} exchanges were not committed within {SHUTDOWN_COMMIT_S:g}s of the stop")
+        await self.deliveries.settled()
         if self.engine is not None:
             await self.engine.close()
         if self.store is not None:
@@ -258,6 +279,7 @@ class PolarAddon:
             flow.response = flows.proxy_auth_required()
             return
         self.sessions_by_connection[flow.client_conn] = credentials
+        flow.request.headers.pop("proxy-authorization", None)  # read once; the session's credential stays in no flow
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         if flow.response is not None or self._is_control(flow):
@@ -281,6 +303,7 @@ class PolarAddon:
             # a plain-HTTP proxied request carries its credentials itself
             credentials = session.parse_proxy_authorization(flow.request.headers.get("proxy-authorization"))
             if ctx.options.polar_require_auth and not session.credentials_valid(self.secret, credentials):
+                flows.scrub_flow(flow)
                 flow.response = flows.proxy_auth_required()
                 return
         flow.request.headers.pop("proxy-authorization", None)
@@ -309,20 +332,21 @@ class PolarAddon:
         return flow.request.port == port and (flow.request.host in (host, *LOOPBACK_HOSTS) or host in ANY_HOST)
 
     async def _answer_control(self, flow: http.HTTPFlow) -> None:
-        if flow.request.path.startswith("/ui"):  # the read-only dashboard (issue 30): polar_mitm/ui/gateway.py
-            from polar_mitm.ui.gateway import answer_ui
-
-            return await answer_ui(flow, self)
+        # one token guards /control/* and the dashboard (/ui): it shows every recorded prompt
         token = ctx.options.polar_control_token
         assert self.listen is not None
         if token:
-            given = flow.request.headers.get("authorization", "")
-            allowed = hmac.compare_digest(given.encode(), f"Bearer {token}".encode())
+            allowed = api_auth.bearer_matches(flow.request.headers.get("authorization"), token)
             status, body = (200, {}) if allowed else (401, {"error": {"type": "unauthorized", "message": "control needs 'Authorization: Bearer <polar_control_token>'"}})
-        elif self.listen[0] not in LOOPBACK_HOSTS:
-            status, body = 403, {"error": {"type": "forbidden", "message": "this gateway listens beyond loopback: set polar_control_token (--control-token) to use /control/*"}}
+        elif not api_auth.is_loopback(self.listen[0]):
+            # not started so (running() refuses), but mitmproxy listens before running(): never answer unguarded
+            status, body = 403, {"error": {"type": "forbidden", "message": "this gateway listens beyond loopback: set polar_control_token (--control-token) to use /control/* and /ui"}}
         else:
             status, body = 200, {}
+        if status == 200 and flow.request.path.startswith("/ui"):  # the read-only dashboard (issue 30): polar_mitm/ui/gateway.py
+            from polar_mitm.ui.gateway import answer_ui
+
+            return await answer_ui(flow, self)
         if status == 200:
             status, body = await self.control.handle(flow.request.method, flow.request.path.split("?", 1)[0], flow.request.get_content(strict=False) or b"")
         flow.response = http.Response.make(status, json.dumps(body), {"content-type": "application/json"})
@@ -337,6 +361,7 @@ class PolarAddon:
         host = flow.request.pretty_host
         if any(fnmatch.fnmatch(host, pattern) for pattern in ctx.options.polar_passthrough):
             return  # forwarded by mitmproxy as usual
+        flows.scrub_flow(flow)  # answered here: the key it carries (GET /v1/models, say) stays out of saved flows
         body = {"error": {"message": f"polar-mitm answers only model API calls; {flow.request.method} {host}{flow.request.path.split('?')[0]} was not forwarded", "type": "not_found"}}
         flow.response = http.Response.make(404, json.dumps(body), {"content-type": "application/json"})
         flow.metadata["polar_local"] = True
@@ -346,8 +371,14 @@ class PolarAddon:
         await self.started.wait()
         assert self.store is not None
         self._opened()
+        self.deliveries.opened(flow)
         try:
             await self._exchange_committed(flow, dialect, path)
+        except Exception as error:  # noqa: BLE001 - a bug of ours before the row was made (fuzz over the wire found one)
+            # answered here in the provider's shape: mitmproxy would forward a flow its hook left unanswered
+            # upstream, to the real provider, with the harness's key
+            reply = flows.error_reply(dialect, self._outcome(error, flow).answer_or_raise())
+            flow.response = http.Response.make(reply.status, reply.body, {"content-type": reply.content_type})
         finally:
             self._closed()
 
@@ -390,15 +421,17 @@ class PolarAddon:
             await self.store.commit_exchange(row)
         except Exception as error:  # noqa: BLE001 - never reply without a committed row
             reply = flows.error_reply(dialect, self._outcome(CommitFailed(error), flow).answer_or_raise())
+        else:
+            self.deliveries.committed(flow, row["exchange_id"], row["status"], streamed=False)
         flow.response = http.Response.make(reply.status, reply.body, flows.reply_headers(reply.content_type, row, dialect))
 
     def _outcome(self, failure: Exception | None, flow: http.HTTPFlow) -> Outcome:
         """outcome_of for this flow; a bug of ours and a refused commit are logged with their traceback."""
         if isinstance(failure, CommitFailed):
-            log.error("polar: could not commit exchange", exc_info=failure.cause)
+            pass  # the store said so, once for the whole episode (Store.report)
         elif failure is not None and not isinstance(failure, PolarError):
             log.error("polar: internal error", exc_info=failure)
-        return outcome_of(failure, flows.client_gone(flow))
+        return outcome_of(failure, self.deliveries.gone(flow))
 
     async def _while_client_waits(self, flow: http.HTTPFlow, call: Awaitable[T]) -> T:
         """Await `call` (the engine's part of an exchange) while its client still waits for the answer.
@@ -411,7 +444,7 @@ class PolarAddon:
         try:
             while not task.done():
                 await asyncio.wait({task}, timeout=CLIENT_CHECK_S)
-                if not task.done() and (gone := flows.client_gone(flow)):
+                if not task.done() and (gone := self.deliveries.gone(flow)):
                     task.cancel()
                     await asyncio.wait({task})
                     raise CallAbandoned("client_disconnected", f"{gone}; the engine call was cancelled")
@@ -439,6 +472,10 @@ class PolarAddon:
             stream = dialect.render_stream(parsed, completion)
             return flows.HTTPReply(200, dialect.STREAM_CONTENT_TYPE, stream, body_json, stream.decode("utf-8", "replace"))
         return flows.HTTPReply(200, "application/json", json.dumps(body_json, ensure_ascii=False).encode(), body_json)
+
+    async def _mark(self, exchange_id: str, status: str, error: str) -> None:
+        assert self.store is not None
+        await self.store.commit_mark(exchange_id, status, error)
 
     def _engine_side(self) -> EngineSide:
         assert self.store is not None
@@ -501,6 +538,8 @@ class PolarAddon:
             except Exception as error:  # noqa: BLE001 - the client must not take an unrecorded reply for a recorded one
                 state.events = numbered
                 rest = dialect.stream_error(parsed, state, self._outcome(CommitFailed(error), flow).answer_or_raise())
+            else:
+                self.deliveries.committed(flow, row["exchange_id"], row["status"], streamed=True)
             flow.metadata["polar_stream_sent"] = sent + rest
             reply.finish(rest)
         finally:
@@ -510,13 +549,15 @@ class PolarAddon:
         if self.streams.restore(flow) and flow.response is not None:
             flow.response.stream = True  # relay the loopback server's chunks as they come
 
-    def response(self, flow: http.HTTPFlow) -> None:
+    async def response(self, flow: http.HTTPFlow) -> None:
         sent = flow.metadata.pop("polar_stream_sent", None)
         if sent is not None and flow.response is not None:
             flow.response.content = sent  # for mitmweb and flow files; the client has had it already
+        await self.deliveries.response(flow)  # was the reply written to a client that is still there?
 
     def error(self, flow: http.HTTPFlow) -> None:
         self.streams.restore(flow)  # a route the client left before it was taken
+        self.deliveries.error(flow)  # a stream its client left before its end
 
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")

@@ -76,7 +76,7 @@ class EngineSide:
             request = dict(engine_request, model=served_model) if served_model else engine_request
             record.policy_version, record.model_engine, record.engine_started_at = version, request["model"], now()
             try:
-                if self.tokens is not None:
+                if self.tokens is not None and await self.tokens.in_use():
                     return await self.tokens.complete(
                         request, request["model"], record, session_id=row["session_id"], exchange_id=row["exchange_id"],
                         request_chars=len(row.get("request_body") or ""), notes=parsed.notes,

@@ -35,13 +35,17 @@ def error_reply(dialect: Dialect, error: DialectError) -> HTTPReply:
 
 
 def request_row(flow: http.HTTPFlow, api: str, path: str, session_id: str, seq: int, engine_kind: str | None) -> tuple[ExchangeRow, bytes]:
-    """The row of a model call as its request gives it (secrets redacted), and the request body as sent."""
+    """The row of a model call as its request gives it (secrets redacted), and the request body to parse: as sent,
+    but for its API keys (redact.py), which the engine and the prompt's tokens never get. The flow itself is
+    scrubbed the same way (mitmweb, saved flows and mitmdump's log keep no key): a model call is never forwarded."""
     headers = list(flow.request.headers.items(multi=True))
     query = list(flow.request.query.items(multi=True))
-    secrets_seen = redact.secret_values(headers, query)
+    sent_body = flow.request.get_content(strict=False) or b""
+    secrets_seen = redact.secret_values(headers, query, sent_body)
+    raw_body = redact.scrub_body(sent_body, secrets_seen)
+    scrub_flow(flow, raw_body if raw_body is not sent_body else None)
     header_map = {name.lower(): value for name, value in headers}
     user_agent = header_map.get("user-agent")
-    raw_body = flow.request.get_content(strict=False) or b""
     row: ExchangeRow = {
         "exchange_id": str(uuid.uuid4()),
         "session_id": session_id,
@@ -61,6 +65,18 @@ def request_row(flow: http.HTTPFlow, api: str, path: str, session_id: str, seq: 
         "started_at": now(),
     }
     return row, raw_body
+
+
+def scrub_flow(flow: http.HTTPFlow, body: bytes | None = None) -> None:
+    """Take a request's keys out of the flow mitmproxy keeps, for a request the gateway answers itself (never one
+    forwarded): secret headers and query parameters redacted, the body replaced by `body` (None: left as it is)."""
+    for name in {name.lower() for name in flow.request.headers}:
+        if name in redact.SECRET_HEADERS:
+            flow.request.headers[name] = redact.REDACTED
+    if any(name.lower() in redact.SECRET_QUERY_KEYS for name in flow.request.query):
+        flow.request.query = [(name, redact.REDACTED if name.lower() in redact.SECRET_QUERY_KEYS else value) for name, value in flow.request.query.items(multi=True)]
+    if body is not None:
+        flow.request.content = body
 
 
 def reply_headers(content_type: str, row: ExchangeRow, dialect: Dialect) -> dict[str, str]:
@@ -102,7 +118,7 @@ def peek_model(body: bytes, path: str) -> str | None:
         return path.rsplit("/models/", 1)[1].split(":", 1)[0]
     try:
         data = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nested deeper than json parses
         return None
     model = data.get("model") if isinstance(data, dict) else None
     return model if isinstance(model, str) else None

@@ -93,7 +93,10 @@ class Option:
 
 OPTIONS: tuple[Option, ...] = (
     Option("port", int, 8080, "Proxy port on the listen host.", "proxy port on 127.0.0.1 (default 8080)", addon=False),
-    Option("host", str, "127.0.0.1", "Listen address; loopback by default.", addon=False, cli=False),
+    Option(
+        "host", str, "127.0.0.1", "Listen address; loopback by default. Beyond loopback the gateway needs a control token (it will not start without one).",
+        "listen address (default 127.0.0.1; beyond loopback --control-token is required)", addon=False,
+    ),
     Option(
         "transparent_port", int, 0,
         "Also listen in mitmproxy's transparent mode on 127.0.0.1:PORT, for capture without proxy settings (polar_mitm/capture.py: "
@@ -167,9 +170,12 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "render", str, "chat",
-        "Who renders the prompt: chat (the engine applies its chat template to the messages) or tokens (the gateway renders it "
-        "with the model's template, bridges the turns of a lineage token-exactly and calls the engine with token ids).",
-        "chat: the engine renders prompts (default); tokens: the gateway renders them, bridges turns, calls the engine token-in",
+        "Who renders the prompt: chat (the engine applies its chat template to the messages), tokens (the gateway renders it "
+        "with the model's template, bridges the turns of a lineage token-exactly and calls the engine with token ids), or auto "
+        "(tokens wherever the model's tokenizer and chat template load here and its tool-call format has a parser; chat "
+        "otherwise, with one warning saying why).",
+        "chat: the engine renders prompts (default); tokens: the gateway renders them, bridges turns, calls the engine token-in; "
+        "auto: tokens where it can, else chat with a warning",
         choices=Choices("polar_mitm.render.serve:RENDER_MODES"),
     ),
     Option(
@@ -180,8 +186,30 @@ OPTIONS: tuple[Option, ...] = (
         metavar="DIR_OR_ID",
     ),
     Option(
-        "tool_parser", str, "hermes", "Tokens mode: the model's tool-call format in sampled text (render/parsers.py).",
-        "tokens mode: the tool-call format the model samples (default hermes)", choices=Choices("polar_mitm.render.parsers:TOOL_PARSERS"),
+        "tool_parser", str, "auto",
+        "Tokens mode: the model's tool-call format in sampled text (render/parsers.py); auto: the format its chat template "
+        "writes tool calls in (Hermes <tool_call> JSON, Qwen3-Coder <function=...>), and a template whose format no parser "
+        "knows is refused rather than its tool calls returned as text.",
+        "tokens mode: the tool-call format the model samples (default auto: from the chat template)", choices=Choices("polar_mitm.render.parsers:TOOL_FORMATS"),
+    ),
+    Option(
+        "store_memory_mb", int, 512,
+        "DuckDB's memory limit for the store, in MB: its block cache, the journal rows not yet compacted, a compaction and the SQL of "
+        "readers of this gateway (beyond it DuckDB spills to <db>.tmp/ where it can, else fails the statement; a refused commit is "
+        "answered 500 store_error). 0: DuckDB's default, 80% of RAM.",
+        "the store's DuckDB memory limit in MB (default 512; 0: DuckDB's default, 80%% of RAM)", metavar="MB",
+    ),
+    Option(
+        "store_journal_mb", int, 32,
+        "A journal becomes a Parquet segment once its records reach this many MB (or 256 rows), so journal rows held in memory stay "
+        "bounded whatever the rows' size. 0: by rows only.",
+        "MB of records after which a journal becomes a segment (default 32; 0: 256 rows only)", metavar="MB",
+    ),
+    Option(
+        "store_compact_slice_mb", int, 8,
+        "How many MB of a journal's records a compaction parses at once (DuckDB held ~5x what it parses meanwhile). 0: the whole "
+        "journal at once (less CPU, more memory).",
+        "MB of records a compaction parses at once (default 8; 0: the whole journal)", metavar="MB",
     ),
     Option(
         "sql_port", int, 0, "Loopback port of the read-only SQL endpoint for other processes (0: any free port).",
@@ -193,8 +221,9 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "control_token", str, "",
-        "Bearer token required by /control/* on this gateway. Empty: control is served on a loopback listen address only.",
-        "bearer token for /control/* (needed when listening beyond loopback)",
+        "Bearer token required by /control/* and /ui on this gateway. Empty: the gateway listens on a loopback address only "
+        "(it refuses to start beyond loopback without one). Never logged or stored.",
+        "bearer token for /control/* and /ui (default $POLAR_MITM_CONTROL_TOKEN; required when listening beyond loopback)",
     ),
     Option("web", bool, False, "Serve mitmweb's UI too (mitmweb keeps all of mitmdump's addons).", "serve mitmweb's UI too", addon=False),
     Option("web_port", int, 8081, "mitmweb's UI port on 127.0.0.1 (with web).", addon=False),  # no help line, as before

@@ -56,12 +56,18 @@ def outcome_of(failure: BaseException | None, client_gone: str | None = None) ->
     """The outcome of an exchange that raised `failure` (None: the engine's reply is ready to send).
 
     `client_gone`: why nobody reads the reply any more, when the client left after the reply was made (kept,
-    but it never reached the harness); only asked about a reply, since a failure says what happened itself.
+    but it never reached the harness); only asked about a reply, since a failure says what happened itself. Asked
+    of the client's socket (gateway/delivery.py), not only of mitmproxy's view of it, which lags under load.
+    A client can still leave after the commit: then the committed `ok` row gets a mark, its later status (the
+    table's third row; schema.MARKS_TABLE), which the `exchanges` view shows instead.
 
     | outcome                                   | row status          | row error       | client: status, kind    |
     |-------------------------------------------|---------------------|-----------------|-------------------------|
     | a reply                                   | ok                  | -               | the reply, 200          |
     | a reply whose client left (client_gone)   | client_disconnected | client_gone     | the reply, 200 (unread) |
+    | a reply committed ok, then not delivered  | client_disconnected | "the reply was  | the reply (unread)      |
+    |   (its client closed or reset before or   |   (a mark, after    |  committed ok   |                         |
+    |   while it was written: delivery.py)      |   the commit)       |  but not ..."   |                         |
     | CallAbandoned client_disconnected         | client_disconnected | its message     | 499 client_disconnected |
     | CallAbandoned gateway_shutdown            | gateway_shutdown    | its message     | 503 gateway_shutdown    |
     | RenderError (tokens mode cannot render)   | render_error        | its message     | its status and kind     |
@@ -113,7 +119,7 @@ def settle(
 # EngineRecord fields that are row columns of the same name; a Completion's go on the row as a whole
 RECORD_COLUMNS = (
     "engine_request", "engine_response", "policy_version", "model_engine", "engine_started_at", "engine_ended_at",
-    "render_mode", "bridged", "bridge_reason", "output_parse_error",
+    "render_mode", "bridged", "bridge_reason", "bridge_key", "output_parse_error",
 )
 COMPLETION_COLUMNS = ("prompt_token_ids", "completion_token_ids", "completion_logprobs", "finish_reason", "prompt_tokens", "completion_tokens")
 

@@ -4,6 +4,7 @@ say which gateway that is (its control file names its pid; its confdir's gateway
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import duckdb
@@ -18,11 +19,12 @@ from polar_mitm.store.by_path import live_endpoint, live_holder
 READER_LOCK_WAIT_S = 15.0
 
 
-def open_when_readers_leave(db: Path) -> Store:
+def open_when_readers_leave(db: Path, memory_mb: int, journal_mb: int, compact_slice_mb: int, report: Callable[[str], None]) -> Store:
+    """The gateway's store, with its memory bounds (gateway/options.py: store_memory_mb, store_journal_mb, ...)."""
     deadline = time.monotonic() + READER_LOCK_WAIT_S
     while True:
         try:
-            return Store(db)
+            return Store(db, memory_mb=memory_mb, journal_mb=journal_mb, compact_slice_mb=compact_slice_mb, report=report)
         except duckdb.IOException as error:
             if "lock" not in str(error).lower() or live_endpoint(db) is not None or time.monotonic() > deadline:
                 raise

@@ -219,6 +219,21 @@ class LocalEngine:
     def status(self) -> EngineRecord | None:
         return self._live_record()
 
+    def left_running(self) -> str | None:
+        """The line a command that used this engine prints on exit when the engine stays up for the next run (kept
+        on purpose: it starts in ~25 s and holds GBs): what it is, what it holds, and how to end it. None when no
+        engine is alive on this port."""
+        record = self._live_record()
+        if record is None:
+            return None
+        processes = _group_members(record.pid)
+        resident = sum(_resident_bytes(member) for member in processes) / 2**30
+        stop = "polar-mitm engine stop" + ("" if self.port == DEFAULT_PORT else f" --port {self.port}")
+        return (
+            f"the local engine is still running for the next run: {record.model} at {record.url} (pid {record.pid}; "
+            f"{len(processes)} process{'es' if len(processes) != 1 else ''}, {resident:.1f} GiB resident); `{stop}` ends it"
+        )
+
     def wait(self) -> int:
         """Block until an engine started here exits (for `engine start --foreground`)."""
         if self._process is None:

@@ -27,7 +27,9 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+from array import array
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +39,7 @@ from polar_mitm.render.renderer import Renderer
 
 # bridge_reason values for rows that were not bridged
 FIRST_TURN = "first_turn"  # no assistant turn in the conversation: nothing to extend
-NO_LINEAGE = "no_lineage"  # assistant turns, but no exchange of this session answered this history (e.g. gateway restarted)
+NO_LINEAGE = "no_lineage"  # assistant turns, but no exchange of this session answered this history (in memory or in the store)
 COMPACTION = "compaction"  # the history is shorter than one this session sent before: summarized or truncated
 EDITED_HISTORY = "edited_history"  # an earlier message or our answer changed
 TOOLS_CHANGED = "tools_changed"  # the same history, with other tools or template arguments
@@ -46,30 +48,68 @@ TEMPLATE_MISMATCH = "template_mismatch"  # the template does not render the new 
 
 @dataclass
 class Turn:
-    """One answered exchange, as bridging needs it."""
+    """One answered exchange, as bridging needs it.
+
+    Held compactly, since a session keeps one per turn: token ids as 4-byte arrays (a list holds a 28-byte int object
+    and an 8-byte pointer per id); a bridged turn keeps only the prompt ids it adds to its parent's prompt and sampled
+    ids (`tail_ids`), and its history shares its parent's message objects (only the new messages and our answer are
+    its own), so a session's 30th turn holds what its 3rd does beyond its own tokens, not its whole prompt again."""
 
     exchange_id: str
     prefix_key: str  # digest of its messages + our answer + tools/template kwargs
     history: list[dict[str, Any]]  # its conversation (as the template sees it) + our answer, reasoning left out
     keys: list[str]  # canonical key of each history message, for diagnosing a miss
     setup_key: str
-    prompt_ids: list[int]
-    completion_ids: list[int]
+    tail_ids: array  # its prompt after the parent's prompt + sampled ids (no parent: the whole prompt)
+    completion_ids: array
+    parent: Turn | None = None  # the turn its prompt extends
+    nbytes: int = 0  # about what this turn holds of its own (ids, history pointers, its new messages' text)
+
+    def prompt_ids(self) -> list[int]:
+        """Its whole prompt: each ancestor's tail and sampled ids, then its own tail."""
+        chain: list[Turn] = []
+        turn: Turn | None = self
+        while turn is not None:
+            chain.append(turn)
+            turn = turn.parent
+        ids: list[int] = []
+        for ancestor in reversed(chain[1:]):
+            ids += ancestor.tail_ids.tolist()
+            ids += ancestor.completion_ids.tolist()
+        return ids + self.tail_ids.tolist()
 
 
 @dataclass
 class Bridged:
     prompt_ids: list[int]
     tail_ids: list[int]
+    parent: Turn | None = None  # the turn it extends; its history is the start of this one's
+
+
+# What the lineages of all sessions may hold together before the least recently used sessions are dropped (a dropped
+# session's next turn is looked up in the store by `bridge_key`, serve.py): about 100 sessions of 30 turns growing to
+# 20k tokens each.
+MAX_LINEAGE_BYTES = 192 * 2**20
 
 
 class Lineages:
-    """The answered turns of recent sessions (in memory, bounded), looked up by conversation prefix."""
+    """The answered turns of recent sessions (in memory, bounded), looked up by conversation prefix.
 
-    def __init__(self, max_sessions: int = 2048, max_turns: int = 256):
+    Bounded three ways, the least recently used session going first: `max_sessions`, `max_turns` per session (its
+    oldest turns can no longer be found), and `max_bytes` over all sessions (`Turn.nbytes`), so a gateway's memory
+    stays flat however many sessions pass through it. A turn no longer found may still be held, as the parent of
+    later ones: a session's bytes (`session_bytes`) count every turn it remembered until the session goes."""
+
+    def __init__(self, max_sessions: int = 2048, max_turns: int = 256, max_bytes: int = MAX_LINEAGE_BYTES):
         self.sessions: OrderedDict[str, OrderedDict[str, Turn]] = OrderedDict()
-        self.max_sessions, self.max_turns = max_sessions, max_turns
+        self.session_bytes: dict[str, int] = {}
+        self.max_sessions, self.max_turns, self.max_bytes = max_sessions, max_turns, max_bytes
+        self.nbytes = 0
         self._lock = threading.Lock()  # prompts are built in worker threads while the event loop remembers turns
+
+    def holds(self, session_id: str) -> bool:
+        """Whether any turn of the session is in memory (a gateway restarted, or the session evicted: not)."""
+        return session_id in self.sessions
 
     def remember(self, session_id: str, turn: Turn) -> None:
         with self._lock:
@@ -78,12 +118,17 @@ class Lineages:
     def _remember(self, session_id: str, turn: Turn) -> None:
         turns = self.sessions.setdefault(session_id, OrderedDict())
         self.sessions.move_to_end(session_id)
-        turns[turn.prefix_key] = turn  # a retried exchange replaces its first attempt
-        turns.move_to_end(turn.prefix_key)
+        counted = turn.nbytes
+        if (replaced := turns.pop(turn.prefix_key, None)) is not None:  # a retried exchange replaces its first attempt
+            counted -= replaced.nbytes
+        turns[turn.prefix_key] = turn
+        self.session_bytes[session_id] = self.session_bytes.get(session_id, 0) + counted
+        self.nbytes += counted
         while len(turns) > self.max_turns:
-            turns.popitem(last=False)
-        while len(self.sessions) > self.max_sessions:
-            self.sessions.popitem(last=False)
+            turns.popitem(last=False)  # still counted: later turns may hold it as their parent
+        while len(self.sessions) > self.max_sessions or (self.nbytes > self.max_bytes and len(self.sessions) > 1):
+            dropped, _ = self.sessions.popitem(last=False)
+            self.nbytes -= self.session_bytes.pop(dropped)
 
     def find(self, session_id: str, conversation: list[dict[str, Any]], setup: str) -> tuple[Turn | None, int, str | None]:
         """(the turn this conversation extends, how many messages it covers, None) or (None, 0, reason)."""
@@ -93,11 +138,8 @@ class Lineages:
 
     def _find(self, session_id: str, conversation: list[dict[str, Any]], keys: list[str], setup: str) -> tuple[Turn | None, int, str | None]:
         turns = self.sessions.get(session_id) or {}
-        # deepest first: the longest earlier history that this one extends, leaving at least one new message
-        for end in range(len(keys) - 1, 0, -1):
-            if conversation[end - 1]["role"] != "assistant":
-                continue
-            turn = turns.get(_digest(setup, keys[:end]))
+        for end, digest in prefix_digests(conversation, keys, setup):
+            turn = turns.get(digest)
             if turn is not None:
                 return turn, end, None
         return None, 0, self._why_not(turns.values(), conversation, keys, setup)
@@ -119,6 +161,15 @@ class Lineages:
         if len(keys) < len(best.keys):
             return COMPACTION
         return EDITED_HISTORY
+
+
+def prefix_digests(conversation: list[dict[str, Any]], keys: list[str], setup: str) -> Iterator[tuple[int, str]]:
+    """(messages covered, the key an earlier turn answering them has) for each earlier history this conversation
+    may extend: every prefix ending in an assistant turn and leaving at least one new message, deepest first
+    (lazily: a hit in memory stops it)."""
+    for end in range(len(keys) - 1, 0, -1):
+        if conversation[end - 1]["role"] == "assistant":
+            yield end, _digest(setup, keys[:end])
 
 
 def setup_key(renderer: Renderer, chat: dict[str, Any]) -> str:
@@ -147,10 +198,44 @@ def answer_message(content: str | None, tool_calls: list[Any]) -> dict[str, Any]
     return message
 
 
-def make_turn(exchange_id: str, conversation: list[dict[str, Any]], answer: dict[str, Any], setup: str, prompt_ids: list[int], completion_ids: list[int]) -> Turn:
-    history = [_without_reasoning(message) for message in [*conversation, answer]]
-    keys = [message_key(message) for message in history]
-    return Turn(exchange_id, _digest(setup, keys), history, keys, setup, list(prompt_ids), list(completion_ids))
+def make_turn(
+    exchange_id: str, conversation: list[dict[str, Any]], answer: dict[str, Any], setup: str, prompt_ids: list[int],
+    completion_ids: list[int], bridged: Bridged | None = None,
+) -> Turn:
+    """The turn to remember for an answered exchange. When it was bridged, the history it shares with its parent
+    is the parent's (the same messages by `message_key`, which is what bridging matched), so only what follows is
+    made anew."""
+    parent = bridged.parent if bridged is not None else None
+    shared = len(parent.history) if parent is not None else 0
+    own = [_without_reasoning(message) for message in [*conversation[shared:], answer]]
+    own_keys = [message_key(message) for message in own]
+    if parent is not None:
+        assert bridged is not None
+        history, keys = [*parent.history, *own], [*parent.keys, *own_keys]
+        tail = array("I", bridged.tail_ids)
+    else:
+        history, keys = own, own_keys
+        tail = array("I", prompt_ids)
+    completion = array("I", completion_ids)
+    nbytes = 4 * (len(tail) + len(completion)) + 48 * len(history) + sum(_size(message) for message in own)
+    return Turn(exchange_id, _digest(setup, keys), history, keys, setup, tail, completion, parent, nbytes)
+
+
+def stored_turn(exchange_id: str, history: list[dict[str, Any]], setup: str, prompt_ids: list[int], completion_ids: list[int]) -> Turn:
+    """A turn read back from the store (its row's `bridge_key` matched): its history is the messages of the new
+    request that the key covers, which are that turn's conversation and answer as the template sees them."""
+    own = [_without_reasoning(message) for message in history]
+    keys = [message_key(message) for message in own]
+    prompt, completion = array("I", prompt_ids), array("I", completion_ids)
+    nbytes = 4 * (len(prompt) + len(completion)) + 48 * len(own) + sum(_size(message) for message in own)
+    return Turn(exchange_id, _digest(setup, keys), own, keys, setup, prompt, completion, None, nbytes)
+
+
+def _size(message: dict[str, Any]) -> int:
+    """About the bytes a message's text takes (a str's characters; other content by its JSON)."""
+    content = message.get("content")
+    text = len(content) if isinstance(content, str) else len(orjson.dumps(content)) if content else 0
+    return text + (len(orjson.dumps(message["tool_calls"])) if message.get("tool_calls") else 0)
 
 
 def bridge(renderer: Renderer, parent: Turn, conversation: list[dict[str, Any]], covered: int, tools: Any, kwargs: dict[str, Any]) -> Bridged | None:
@@ -167,7 +252,7 @@ def bridge(renderer: Renderer, parent: Turn, conversation: list[dict[str, Any]],
     ended_turn = bool(parent.completion_ids) and parent.completion_ids[-1] == renderer.end_of_turn_id
     delimiter = head[end_of_turn + len(renderer.eos_token) :] if ended_turn else head[end_of_turn:]
     tail_ids = renderer.encode(delimiter + full[len(head) :])
-    return Bridged(prompt_ids=parent.prompt_ids + parent.completion_ids + tail_ids, tail_ids=tail_ids)
+    return Bridged(prompt_ids=parent.prompt_ids() + parent.completion_ids.tolist() + tail_ids, tail_ids=tail_ids, parent=parent)
 
 
 def _without_reasoning(message: dict[str, Any]) -> dict[str, Any]:

@@ -94,6 +94,24 @@ def _tagged(text: str, calls_in: Callable[[str], list[ToolCall]]) -> tuple[str |
 
 TOOL_PARSERS: Registry[ToolCallParser] = Registry("tool parser", {"hermes": hermes, "qwen3_coder": qwen3_coder, "none": no_tool_calls})
 
+# --tool-parser: a parser's name, or `auto`: the format the model's chat template writes tool calls in
+AUTO = "auto"
+TOOL_FORMATS = (AUTO, *TOOL_PARSERS.names())
+
+
+def format_of_template(template: str) -> str | None:
+    """The tool-call format a chat template renders, which is what the model was trained to sample: Qwen3-Coder's
+    XML (`<function=NAME>`, checked first: it sits inside `<tool_call>` too), Hermes' `<tool_call>` JSON, or `none`
+    for a template that renders no tools at all. None: the template renders tools, in a format no parser knows (a
+    tool call sampled in it would come back as text)."""
+    if "<function=" in template:
+        return "qwen3_coder"
+    if TOOL_CALL_OPEN in template:
+        return "hermes"
+    if not re.search(r"\btools\b", template):
+        return "none"
+    return None
+
 
 def _remainder_check(text: str, blocks: list[re.Match[str]]) -> None:
     """Only whitespace may follow the first call, between calls and after the last."""

@@ -2,8 +2,11 @@
 
 The gateway hands over the engine's chat request after its engine hook and the exchange's `EngineRecord`; the
 record comes back with the request as sent, the raw reply and a `Completion` the dialects render like any other,
-and `render_mode`, `bridged`, `bridge_reason` and, when the sample's tool calls did not parse,
+and `render_mode`, `bridged`, `bridge_reason`, `bridge_key` and, when the sample's tool calls did not parse,
 `output_parse_error` (the gateway writes it to the row).
+
+Lineages live in memory; a request of a session the gateway holds none of (it restarted, or evicted the session)
+that extends an earlier turn is matched against the store's rows by `bridge_key` and bridged onto their tokens.
 
 Rendering and tokenizing run in a worker thread unless the request is tiny (a cold 12k-token first turn took
 50-160 ms of CPU here, a bridged turn 2-9 ms; the Rust tokenizer releases the GIL while it encodes).
@@ -13,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,17 +27,32 @@ from polar_mitm.exchange import Completion, EngineRecord, Notes
 from polar_mitm.render import bridge, parsers, token_engine
 from polar_mitm.render.renderer import Renderer
 from polar_mitm.store import now
+from polar_mitm.store.reading import StoreReader
 
-RENDER_MODES = ("chat", "tokens")
+log = logging.getLogger("polar_mitm.render")
+
+# auto: tokens mode wherever a tokenizer and chat template can be loaded (--render-model, or the engine's model
+# directory on this machine) and the template's tool-call format has a parser; chat mode otherwise, saying why once
+RENDER_MODES = ("chat", "tokens", "auto")
 # request bodies above this many characters are rendered off the event loop (a cold 5k-token render took ~20-70 ms
 # here, bench/tokens_bench.py); below it the thread hop would cost more than the render
 INLINE_RENDER_CHARS = 4_000
 
 
 class TokenPath:
-    def __init__(self, engine: EngineClient, model: str | None = None, tool_format: str = "hermes"):
-        parsers.TOOL_PARSERS.get(tool_format)  # an unknown format: ConfigError naming the valid ones, before any request
+    """`fallback` (--render auto): when the renderer cannot be had, the gateway renders in chat mode (`in_use`)
+    instead of answering every call with the error."""
+
+    def __init__(
+        self, engine: EngineClient, model: str | None = None, tool_format: str = parsers.AUTO,
+        stored: Callable[[], StoreReader | None] | None = None, fallback: bool = False,
+    ):
+        if tool_format != parsers.AUTO:
+            parsers.TOOL_PARSERS.get(tool_format)  # an unknown format: ConfigError naming the valid ones, before any request
         self.engine = engine
+        self.fallback = fallback
+        self._said_fallback = False
+        self.stored = stored  # the store a lineage no longer in memory is read back from (the gateway's, when open)
         self.model = model  # a model directory or local Hugging Face id; None: the engine's own model directory
         self.tool_format = tool_format
         self.lineages = bridge.Lineages()
@@ -50,7 +70,9 @@ class TokenPath:
                 if self._renderer is None and self._load_error is None:
                     try:
                         source = self.model or await self._engine_model_dir()
-                        self._renderer = await asyncio.to_thread(Renderer.load, source)
+                        renderer = await asyncio.to_thread(Renderer.load, source)
+                        self.tool_format = self._tool_format(renderer)
+                        self._renderer = renderer
                         # the tokenizer is millions of objects that live as long as the gateway: out of the
                         # collector's view (as the addon does at start), or the next full collection walks them
                         # all and stalls the event loop for seconds (measured: 3-10 s on this machine)
@@ -61,6 +83,33 @@ class TokenPath:
             raise self._load_error
         assert self._renderer is not None
         return self._renderer
+
+    async def in_use(self) -> bool:
+        """Whether this call is rendered here: always in tokens mode (a renderer that cannot be had is every call's
+        error); in auto mode only once the renderer loaded, chat mode otherwise (said once, with the reason)."""
+        if not self.fallback:
+            return True
+        try:
+            await self.renderer()
+        except RenderError as error:
+            if not self._said_fallback:
+                self._said_fallback = True
+                log.warning(f"polar: --render auto: chat mode (the engine renders prompts), since {error.message}")
+            return False
+        return True
+
+    def _tool_format(self, renderer: Renderer) -> str:
+        """The tool parser: the one asked for, or (auto) the one for the format the template writes tool calls in."""
+        if self.tool_format != parsers.AUTO:
+            return self.tool_format
+        found = parsers.format_of_template(renderer.template)
+        if found is None:
+            raise RenderError(
+                500, "unknown_tool_format",
+                f"the chat template of {renderer.source} writes tool calls in a format no tool parser knows (known: "
+                f"{', '.join(parsers.TOOL_PARSERS.names())}); tool calls would come back as text: set --tool-parser",
+            )
+        return found
 
     async def _engine_model_dir(self) -> str:
         """vLLM's /models names the directory it loaded (`root`); usable when the engine runs on this machine."""
@@ -84,8 +133,10 @@ class TokenPath:
         `request_chars`: the size of the client's request (a big one is rendered off the event loop)."""
         record.render_mode, record.bridged = "tokens", False
         renderer = await self.renderer()
-        big = request_chars > INLINE_RENDER_CHARS
-        prompt = await asyncio.to_thread(self._prompt, renderer, session_id, chat) if big else self._prompt(renderer, session_id, chat)
+        # a session with earlier turns and none in memory: its lineage is read from the store, never on the event loop
+        restore = self.stored is not None and not self.lineages.holds(session_id) and any(m.get("role") == "assistant" for m in chat["messages"])
+        big = request_chars > INLINE_RENDER_CHARS or restore
+        prompt = await asyncio.to_thread(self._prompt, renderer, session_id, chat, restore) if big else self._prompt(renderer, session_id, chat)
         prompt_ids, conversation, setup, bridged, reason = prompt
         record.bridged, record.bridge_reason = bridged is not None, reason
         if self.max_model_len is None:
@@ -117,15 +168,22 @@ class TokenPath:
             stop_sequence=sampled.stop_sequence,
         )
         answer = bridge.answer_message(output.content, output.tool_calls)
-        self.lineages.remember(session_id, bridge.make_turn(exchange_id, conversation, answer, setup, prompt_ids, sampled.completion_ids))
+        turn = bridge.make_turn(exchange_id, conversation, answer, setup, prompt_ids, sampled.completion_ids, bridged)
+        self.lineages.remember(session_id, turn)
+        record.bridge_key = turn.prefix_key
         record.completion = completion
         return record
 
-    def _prompt(self, renderer: Renderer, session_id: str, chat: dict[str, Any]) -> tuple[list[int], list[dict[str, Any]], str, bridge.Bridged | None, str | None]:
-        """(prompt ids, the conversation as the template sees it, its setup key, the bridge or None, why not)."""
+    def _prompt(
+        self, renderer: Renderer, session_id: str, chat: dict[str, Any], restore: bool = False,
+    ) -> tuple[list[int], list[dict[str, Any]], str, bridge.Bridged | None, str | None]:
+        """(prompt ids, the conversation as the template sees it, its setup key, the bridge or None, why not).
+        `restore`: on a miss, look for the turn in the store (a worker thread only)."""
         conversation = renderer.conversation(chat["messages"])
         setup = bridge.setup_key(renderer, chat)
         parent, covered, reason = self.lineages.find(session_id, conversation, setup)
+        if parent is None and reason == bridge.NO_LINEAGE and restore:
+            parent, covered = self._restore(session_id, conversation, setup)
         if parent is not None:
             bridged = bridge.bridge(renderer, parent, conversation, covered, renderer.tools(chat), renderer.template_kwargs(chat))
             if bridged is not None:
@@ -133,6 +191,34 @@ class TokenPath:
             reason = bridge.TEMPLATE_MISMATCH
         text = renderer.render_text(conversation, renderer.tools(chat), renderer.template_kwargs(chat), add_generation_prompt=True)
         return renderer.encode(text), conversation, setup, None, reason
+
+
+    def _restore(self, session_id: str, conversation: list[dict[str, Any]], setup: str) -> tuple[bridge.Turn | None, int]:
+        """The deepest earlier turn of the session that this conversation extends, from the store's ok rows by
+        `bridge_key` (remembered again, so the turns after it bridge in memory); (None, 0) if none is there."""
+        reader = self.stored() if self.stored is not None else None
+        wanted = list(bridge.prefix_digests(conversation, [bridge.message_key(m) for m in conversation], setup))
+        if reader is None or not wanted:
+            return None, 0
+        sql = (
+            "SELECT bridge_key, exchange_id, prompt_token_ids, completion_token_ids FROM exchanges WHERE session_id = ? "
+            f"AND status = 'ok' AND bridge_key IN ({', '.join('?' for _ in wanted)}) ORDER BY seq DESC"
+        )
+        try:
+            _, rows = reader.query(sql, [session_id, *(digest for _, digest in wanted)])
+        except Exception as error:  # noqa: BLE001 - the store in trouble (its writer reports that): a full render
+            log.warning(f"polar-mitm: tokens mode could not read session {session_id}'s lineage from the store: {error}")
+            return None, 0
+        found: dict[str, Any] = {}
+        for row in rows:
+            found.setdefault(row[0], row)  # a retried exchange: its latest row
+        for end, digest in wanted:
+            match = found.get(digest)
+            if match is not None and match[2] is not None and match[3] is not None:
+                turn = bridge.stored_turn(match[1], conversation[:end], setup, list(match[2]), list(match[3]))
+                self.lineages.remember(session_id, turn)
+                return turn, end
+        return None, 0
 
 
 def _engine_echo(raw: dict[str, Any], prompt_ids: list[int]) -> Any:

@@ -155,12 +155,12 @@ def _seconds(timing: JSON | None) -> str:
     return "" if not timing or timing.get("seconds") is None else f"{timing['seconds']:.1f}"
 
 
-async def submit_and_follow(server: str, task: JSON, wait: bool, out: TextIO | None = None) -> JSON:
+async def submit_and_follow(server: str, task: JSON, wait: bool, out: TextIO | None = None, token: str | None = None) -> JSON:
     """Submit `task`; with `wait`, follow it to its end on `out` (default: stderr as it is then) and return its
     TaskResult (else the TaskAccepted). Raises ClientError (the server refused the task, could not be reached, or
     stopped answering)."""
     out = out or sys.stderr
-    async with AsyncRolloutClient(server, timeout=60) as client:
+    async with AsyncRolloutClient(server, timeout=60, token=token) as client:
         try:
             accepted = await client.submit(task)
         except ServerRefused as refused:

@@ -197,12 +197,30 @@ class StageTiming(BaseModel):
 
 
 class TrajectorySummary(BaseModel):
+    """A session's trajectory as its node assembled it, and what a trainer checks before it trains on it."""
+
     builder: str
     sequences: int = 0
     exchanges: int = 0
     sampled_tokens: int = 0
     sequence_tokens: int = 0
     breaks: dict[str, int] = Field(default_factory=dict)
+    tool_call_parse_failures: int = Field(
+        0, description="Answered exchanges whose sampled tool calls did not parse and went back as text (tokens mode parses them; "
+        "a parser failing silently trains a model that never calls a tool).",
+    )
+    tokens_mode_exchanges: int = Field(0, description="Answered exchanges the gateway rendered (tokens mode).")
+    bridged_fraction: float | None = Field(
+        None, description="Of the tokens-mode exchanges that continue an earlier turn (all but first turns), the fraction bridged "
+        "onto its exact tokens; None: no such exchange.",
+    )
+    sequence_policy_versions: list[list[int | None]] = Field(
+        default_factory=list, description="Per sequence, [lowest, highest] policy version its exchanges were sampled under.",
+    )
+    policy_version: int | None = Field(None, description="The node gateway's policy version when the session was assembled.")
+    staleness: list[int | None] = Field(
+        default_factory=list, description="Per sequence, policy_version minus its lowest version (what max_staleness compares).",
+    )
 
 
 class Evaluation(BaseModel):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import shutil
 import sys
 import tempfile
@@ -34,6 +35,7 @@ import httpx
 from pydantic import BaseModel, Field, field_validator
 
 from polar_mitm import harnesses
+from polar_mitm.api_auth import GATEWAY_TOKEN_ENV
 from polar_mitm.errors import GatewayStartError, RequestRejected
 from polar_mitm.gateway.config import GatewayConfig
 from polar_mitm.rollout import relay, runtimes
@@ -41,7 +43,7 @@ from polar_mitm.rollout.backend import ControlCall, GatewayReply
 from polar_mitm.rollout.models import SessionResult, TaskRequest, TrajectorySummary, UploadStep
 from polar_mitm.rollout.runtimes import GatewayAccess, Sandbox, SandboxSpec
 from polar_mitm.rollout.session_run import ExchangeOutcomes, Report, SessionRun, SessionWork, StageLimits, Stages
-from polar_mitm.store import Store, StoreReader, now
+from polar_mitm.store import MATERIAL, Store, StoreReader, now
 from polar_mitm.util import free_port, listening, load_function
 
 log = logging.getLogger("polar_mitm.rollout")
@@ -59,6 +61,7 @@ class NodeConfig(BaseModel):
     )
     output_dir: Path | None = Field(None, description="Harness logs and Parquet files (default: <db>.rollouts/ beside the store).")
     limits: StageLimits = Field(default_factory=StageLimits)
+    sandbox_owner: str | None = Field(None, description="Tag for this node's sandboxes (rollout/durable.py sandbox_owner): a restarted server reaps what a killed one left.")
 
     @field_validator("gateway")
     @classmethod
@@ -70,6 +73,11 @@ class NodeConfig(BaseModel):
         return gateway
 
 
+# what a trainer checks of a session before it trains on it (TrajectorySummary): over its trajectory material
+ROLLOUT_COUNTS = f"""
+    SELECT count(*) FILTER (WHERE output_parse_error IS NOT NULL), count(*) FILTER (WHERE render_mode = 'tokens'),
+           count(*) FILTER (WHERE bridged), count(*) FILTER (WHERE render_mode = 'tokens' AND bridge_reason IS DISTINCT FROM 'first_turn')
+    FROM exchanges WHERE session_id = ? AND {MATERIAL}"""
 PORT_ATTEMPTS = 3  # free ports tried when the one picked is taken before the gateway binds it
 ENGINE_PROBE_SECONDS = 5.0  # between the node's checks that its engine(s) answer
 ENGINE_PROBE_TIMEOUT = 3.0
@@ -296,29 +304,57 @@ class GatewayNode:
     # -- the Workbench SessionRun uses
     async def create_sandbox(self, work: SessionWork) -> Sandbox:
         access = GatewayAccess(url=self.gateway_url, confdir=self.confdir, relay_socket=self.relay_dir / "gateway.sock" if self.relay_dir else None)
-        return await runtimes.create(SandboxSpec(sandbox_id=work.session_id, runtime=work.request.runtime, gateway=access))
+        return await runtimes.create(SandboxSpec(sandbox_id=work.session_id, runtime=work.request.runtime, gateway=access, owner=self.config.sandbox_owner))
 
     async def count_exchanges(self, session_id: str) -> int:
         _, rows = await asyncio.to_thread(self.store.query, "SELECT count(*) FROM exchanges WHERE session_id = ?", [session_id])
         return int(rows[0][0])
+
+    async def settle_exchanges(self, session_id: str, timeout: float) -> int:
+        # an exchange gets its seq when the gateway begins it, its row when it ends: fewer rows than seqs is a call
+        # still in flight (its client just went away: the gateway cancels it and commits the row within moments)
+        deadline = time.monotonic() + timeout
+        while True:
+            open_calls = self.store.issued_seqs(session_id) - await self.count_exchanges(session_id)
+            if open_calls <= 0 or time.monotonic() >= deadline:
+                return max(open_calls, 0)
+            await asyncio.sleep(0.05)
 
     async def exchange_outcomes(self, session_id: str) -> ExchangeOutcomes:
         _, rows = await asyncio.to_thread(self.store.query, "SELECT status, count(*), any_value(error) FROM exchanges WHERE session_id = ? GROUP BY status", [session_id])
         return {str(status): (int(count), error) for status, count, error in rows}
 
     async def build(self, session_id: str, builder: str, options: dict[str, Any]) -> TrajectorySummary:
-        return await asyncio.to_thread(self._build, session_id, builder, options)
+        return await asyncio.to_thread(self._build, session_id, builder, options, await self._policy_version())
 
-    def _build(self, session_id: str, builder: str, options: dict[str, Any]) -> TrajectorySummary:
+    async def _policy_version(self) -> int | None:
+        """The node gateway's policy version now (None if it does not say)."""
+        token = os.environ.get(GATEWAY_TOKEN_ENV)  # the node's gateway inherits it from this process
+        try:
+            reply = await self.control(ControlCall(method="GET", action="status", authorization=f"Bearer {token}" if token else None))
+        except httpx.HTTPError:
+            return None
+        version = reply.body.get("policy_version") if reply.status == 200 else None
+        return version if isinstance(version, int) else None
+
+    def _build(self, session_id: str, builder: str, options: dict[str, Any], policy_version: int | None = None) -> TrajectorySummary:
         from polar_mitm.assembler import assemble
 
+        _, [(parse_failures, tokens_rows, bridged, bridgeable)] = self.store.query(ROLLOUT_COUNTS, [session_id])
+        counts = {
+            "tool_call_parse_failures": int(parse_failures), "tokens_mode_exchanges": int(tokens_rows),
+            "bridged_fraction": round(bridged / bridgeable, 4) if bridgeable else None, "policy_version": policy_version,
+        }
         try:
-            stats = assemble(None, builder, session_id, store=self.store, lenient=bool(options.get("lenient"))).stats
+            assembled = assemble(None, builder, session_id, store=self.store, lenient=bool(options.get("lenient")))
         except LookupError:
-            return TrajectorySummary(builder=builder)
+            return TrajectorySummary(builder=builder, **counts)
+        stats, versions = assembled.stats, [[s.min_policy_version, s.max_policy_version] for s in assembled.sequences]
         return TrajectorySummary(
             builder=builder, sequences=stats.sequences, exchanges=stats.exchanges, sampled_tokens=stats.sampled_tokens,
             sequence_tokens=stats.sequence_tokens, breaks={kind: n for kind, n in stats.breaks.items() if n},
+            sequence_policy_versions=versions,
+            staleness=[None if policy_version is None or low is None else policy_version - low for low, _ in versions], **counts,
         )
 
     async def record(self, result: SessionResult) -> None:

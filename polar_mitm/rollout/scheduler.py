@@ -86,7 +86,7 @@ def finished_line(task: Task) -> str:
 
 class Scheduler:
     """Every task of this server, its sessions on `node`, and their callbacks. Subclasses make it durable
-    through `_accepted` and `_finished` (ray/head.py: the head store)."""
+    through `_accepted`, `_session`, `_session_ended` and `_finished` (durable.py)."""
 
     def __init__(self, node: Node, callbacks: CallbackSender | None = None):
         self.node = node
@@ -110,31 +110,39 @@ class Scheduler:
         works = [SessionWork(session_id=f"{task_id}-{index}-{suffix}", task_id=task_id, sample_index=index, request=request) for index in range(request.num_samples)]
         for work in works:
             task.sessions[work.session_id] = queued_result(work)
-            self.session_tasks[work.session_id] = task_id
+        self._accepted(task)  # persisted before it is known (StateUnavailable: not accepted); no await since it was made
         self.tasks[task_id] = task
-        self._accepted(task)  # before any session is dispatched: no await since the task was made
+        self.session_tasks.update(dict.fromkeys(task.sessions, task_id))
         log.info(f"polar-mitm rollout: task {task_id} accepted: {request.num_samples} session(s) of {request.agent.harness} in {request.runtime.backend} sandboxes")
         for work in works:
             task.runs[work.session_id] = asyncio.create_task(self._run_session(task, work), name=f"session {work.session_id}")
         return task
 
     def _accepted(self, task: Task) -> None:
-        """A new task, its sessions queued, none of them started yet."""
+        """A new task, its sessions queued, none of them started yet; raising refuses it (nothing of it is kept)."""
 
     def _finished(self, task: Task) -> None:
         """A task whose sessions all ended and whose export is done, just before its TaskResult is delivered."""
+
+    async def _session(self, work: SessionWork, report: Report) -> SessionResult:
+        """One session to its final result: the node runs it."""
+        return await self.node.run_session(work, report)
+
+    def _session_ended(self, task: Task, result: SessionResult) -> None:
+        """A session's final result, before its delivery."""
 
     async def _run_session(self, task: Task, work: SessionWork) -> None:
         def report(snapshot: SessionResult) -> None:
             task.sessions[work.session_id] = snapshot
 
         try:
-            result = await self.node.run_session(work, report)
+            result = await self._session(work, report)
         except BaseException as failure:  # noqa: BLE001 - a node that breaks its contract still yields a final result
             if isinstance(failure, asyncio.CancelledError):
                 uncancel()
             result = task.sessions[work.session_id].model_copy(update={"status": "cancelled" if isinstance(failure, asyncio.CancelledError) else "failed", "error": f"node: {type(failure).__name__}: {failure}"})
         task.sessions[work.session_id] = result
+        self._session_ended(task, result)
         self._early_stop(task)
         if task.request.callback_url:
             delivery = Delivery(delivery_id=f"{work.session_id}:session_result", kind="session_result", url=task.request.callback_url)

@@ -1,6 +1,7 @@
 """The rollout server's HTTP API (FastAPI; the OpenAPI schema is at /openapi.json, docs at /docs).
 
-    POST   /tasks                 TaskRequest -> 202 TaskAccepted, at once; the sessions run in the background
+    POST   /tasks                 TaskRequest -> 202 TaskAccepted, at once (persisted first: 503 if it cannot be); the
+                                  sessions run in the background
     GET    /tasks                 every task's TaskResult (live)
     GET    /tasks/{id}            TaskResult (live: status "running" until every session ended)
     GET    /tasks/{id}/sessions   its SessionResults
@@ -33,17 +34,21 @@ import sys
 from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
+import duckdb
 from fastapi import Body, FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 import polar_mitm
+from polar_mitm import api_auth
 from polar_mitm.errors import BackendStartError, GatewayStartError, RequestRejected, TaskConflict
 from polar_mitm.rollout.backend import Backend, ControlCall, Fleet, GatewayReply, SqlSource
 from polar_mitm.rollout.callbacks import CallbackSender
+from polar_mitm.rollout.durable import DurableStore, LocalDurableScheduler, StateUnavailable, sandbox_owner
 from polar_mitm.rollout.models import SessionResult, TaskAccepted, TaskRequest, TaskResult
 from polar_mitm.rollout.node import GatewayNode, NodeConfig, gateway_control
 from polar_mitm.rollout.scheduler import Node, Scheduler
@@ -53,6 +58,7 @@ if TYPE_CHECKING:
 
 # the rollout server's own lines (tasks, callbacks, nodes) go to this logger and its children (.ray)
 PROGRESS_LOGGER = "polar_mitm.rollout"
+log = logging.getLogger(PROGRESS_LOGGER)
 
 
 class LocalNode(Node, Protocol):
@@ -69,14 +75,24 @@ class LocalNode(Node, Protocol):
 
 
 class LocalBackend:
-    """This machine's one gateway node and a scheduler over it (`polar-mitm rollout serve`). Implements Backend."""
+    """This machine's one gateway node and a scheduler over it (`polar-mitm rollout serve`). Implements Backend.
+
+    With a `state` file (`rollout serve --state`, default `<db>.rollout.duckdb`; `rollout run` only with --state)
+    tasks, session states and deliveries are durable (durable.py): `open` first kills what a killed server on the
+    same state left of its sandboxes (processes by their owner marker, containers by their label), then recovers
+    its tasks."""
 
     fleet: Fleet | None = None  # one node: nothing to list or drain
     sql: SqlSource | None = None  # its store is read directly (`polar-mitm sql --db`)
 
-    def __init__(self, node: LocalNode | NodeConfig, callbacks: CallbackSender | None = None):
-        self.node: LocalNode = GatewayNode(node) if isinstance(node, NodeConfig) else node
-        self.scheduler = Scheduler(self.node, callbacks)
+    def __init__(self, node: LocalNode | NodeConfig, callbacks: CallbackSender | None = None, state: Path | None = None):
+        self.owner = sandbox_owner(state) if state is not None else None
+        if isinstance(node, NodeConfig):
+            node = GatewayNode(node.model_copy(update={"sandbox_owner": self.owner}))
+        self.node: LocalNode = node
+        self.store = DurableStore(state) if state is not None else None
+        record = self.node.record if isinstance(self.node, GatewayNode) else None
+        self.scheduler = LocalDurableScheduler(self.node, self.store, callbacks, record) if self.store is not None else Scheduler(self.node, callbacks)
         self.opened = False
         self.closed = False
 
@@ -88,7 +104,25 @@ class LocalBackend:
         except (GatewayStartError, TimeoutError) as error:
             await self.node.stop()
             raise BackendStartError(str(error)) from error
+        try:
+            await self._recover()
+        except (duckdb.Error, OSError) as error:
+            await self.node.stop()
+            assert self.store is not None
+            raise BackendStartError(f"cannot open the rollout server's state {self.store.path}: {error}") from error
         self.opened = True
+
+    async def _recover(self) -> None:
+        """A previous run's tasks back (once its sandboxes are gone): the sessions it had started end failed."""
+        if self.store is None or not isinstance(self.scheduler, LocalDurableScheduler):
+            return
+        stored = await asyncio.to_thread(self.store.tasks)
+        died = [(task, session_id) for task in stored for session_id, (_, status, final) in task.sessions.items() if status == "dispatched" and final is None]
+        if died and self.owner is not None:
+            await asyncio.to_thread(reap_sandboxes, self.owner, docker={task.request.runtime.backend for task, _ in died} >= {"docker"})
+        recovered = self.scheduler.recover()
+        if recovered:
+            log.info(f"polar-mitm rollout: {recovered} task(s) back from {self.store.path}; {len(died)} session(s) that ran when the server stopped are failed, not run again")
 
     async def close(self) -> None:
         if self.closed:
@@ -96,12 +130,28 @@ class LocalBackend:
         self.closed = True
         await self.scheduler.close()
         await self.node.stop()
+        if self.store is not None:
+            self.store.close()
 
     def health(self) -> dict[str, Any]:
         return self.node.health()
 
     async def control(self, call: ControlCall) -> dict[str, GatewayReply]:
         return {self.node.gateway_url: await gateway_control(self.node.gateway_url, call)}
+
+
+def reap_sandboxes(owner: str, docker: bool) -> None:
+    """Kill what is left of `owner`'s sandboxes: processes carrying its marker, and (`docker`) its containers."""
+    from polar_mitm.rollout.runtimes import local
+
+    local.kill_owned(owner)
+    if docker:
+        from polar_mitm.rollout.runtimes import docker as docker_runtime
+
+        try:
+            docker_runtime.remove_owned(owner)
+        except Exception as error:  # noqa: BLE001 - no engine now: nothing of ours can be running in it either
+            log.warning(f"polar-mitm rollout: could not remove the containers a stopped server left: {type(error).__name__}: {error}")
 
 
 def _message(errors: list[dict[str, Any]]) -> str:
@@ -128,8 +178,10 @@ def _not_found(what: str, key: str) -> JSONResponse:
 ONE_NODE = "this rollout server runs one gateway node (it was started without --ray)"
 
 
-def create_app(backend: Backend) -> FastAPI:
-    """The API over `backend`; the app's lifespan opens it (if it is not open yet) and closes it."""
+def create_app(backend: Backend, api_token: str | None = None) -> FastAPI:
+    """The API over `backend`; the app's lifespan opens it (if it is not open yet) and closes it. With `api_token`,
+    every route (the dashboard at /ui and the docs too) answers 401 unless the request carries
+    `Authorization: Bearer <api_token>` (polar_mitm/api_auth.py; `rollout serve` needs one beyond loopback)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -143,11 +195,20 @@ def create_app(backend: Backend) -> FastAPI:
     app.state.backend = backend
     scheduler = app.state.scheduler = backend.scheduler
 
+    if api_token:
+        @app.middleware("http")
+        async def bearer_token(request: Request, call_next: Any) -> Any:
+            if not api_auth.bearer_matches(request.headers.get("authorization"), api_token):
+                answer = _error(401, f"the rollout server needs 'Authorization: Bearer <token>' (the token of its --api-token / ${api_auth.ROLLOUT_TOKEN_ENV})")
+                answer.headers["www-authenticate"] = "Bearer"
+                return answer
+            return await call_next(request)
+
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, error: RequestValidationError) -> JSONResponse:
         return _invalid(list(error.errors()))
 
-    @app.post("/tasks", status_code=202, response_model=TaskAccepted, responses={422: {"description": "invalid or unrunnable request"}, 409: {"description": "task_id taken by another request"}})
+    @app.post("/tasks", status_code=202, response_model=TaskAccepted, responses={422: {"description": "invalid or unrunnable request"}, 409: {"description": "task_id taken by another request"}, 503: {"description": "the server cannot persist the task now (its state file cannot be written)"}})
     async def submit(body: TaskRequest) -> Any:
         try:
             task = await scheduler.submit(body)
@@ -155,6 +216,8 @@ def create_app(backend: Backend) -> FastAPI:
             return _invalid([{"loc": ("body", *error.loc), "msg": str(error), "type": "value_error"}])
         except TaskConflict as error:
             return _error(409, str(error))
+        except StateUnavailable as error:  # not persisted, so not accepted: the caller may submit it again
+            return _error(503, f"the task was not accepted: {error}")
         return TaskAccepted(task_id=task.task_id, session_ids=list(task.sessions), status_url=f"/tasks/{task.task_id}")
 
     @app.get("/tasks", response_model=list[TaskResult])

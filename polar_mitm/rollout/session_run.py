@@ -5,12 +5,14 @@ module, never the reverse. Stages, each stamped in `timings`:
 
     queued -> preparing -> running -> post_run -> building -> evaluating -> completed | failed | timed_out | cancelled
 
-post_run is always reached (timeout, crash, cancel): the exchanges recorded so far are counted and kept,
-and (unless cancelled) assembled. Evaluation runs only after a harness that exited 0. The sandbox is always
-destroyed. Per-stage limits (StageLimits) bound how many sessions prepare / run / build / evaluate at once;
-a prepared session keeps its prepare slot until a run slot is free, so preparation runs at most
-`prepare` sessions ahead of the running ones. `timeout_seconds` bounds the time a session spends preparing
-and running; waiting for a slot does not count.
+post_run is always reached (timeout, crash, cancel): once every model call the harness had in flight has its row
+(the gateway cancels a call whose client went away and records it; post_run waits up to SETTLE_SECONDS), the
+exchanges are counted and kept, and (unless cancelled) assembled. Evaluation runs only after a harness that exited
+0. The sandbox is always destroyed. Per-stage limits (StageLimits) bound how many sessions prepare / run / build /
+evaluate at once; a prepared session keeps its prepare slot until a run slot is free, so preparation runs at most
+`prepare` sessions ahead of the running ones. Prepare slots go to sessions in the order they were made (sample
+order, tasks in submission order), not the order they got round to asking (`OrderedSlots`). `timeout_seconds`
+bounds the time a session spends preparing and running; waiting for a slot does not count.
 
 A session that ends failed or timed_out while its model calls failed says so first in its `error`: the most
 common failure among its exchange rows (e.g. "56 of 56 model calls failed with engine_unreachable: ..."), since
@@ -20,15 +22,17 @@ that, not the budget running out, is what a user has to fix.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
 from pydantic import BaseModel, Field
 
-from polar_mitm import harnesses
+from polar_mitm import harnesses, redact
 from polar_mitm.rollout.evaluation import EvaluationContext, evaluate
 from polar_mitm.rollout.models import SessionResult, StageTiming, TaskRequest, TrajectorySummary, UploadStep
 from polar_mitm.rollout.runtimes import Sandbox, tail
@@ -44,10 +48,68 @@ class StageLimits(BaseModel):
     evaluate: int = Field(2, ge=1)
 
 
+class OrderedSlots:
+    """`limit` slots handed out in the order places were taken, not the order their holders asked.
+
+    A session takes its place (`place()`, synchronous) when it is made, in sample order; before it asks it writes
+    its queued row, a thread hop that finishes in any order. A plain Semaphore served whoever came back first:
+    with one prepare slot, sample 3 prepared before sample 0 (CI, 2026-12-02). Nobody passes the first place in
+    line, asking or not, so a place that will never ask must be `withdraw`n."""
+
+    def __init__(self, limit: int):
+        self.free = limit
+        self._places = itertools.count()
+        self._line: dict[int, asyncio.Future[None] | None] = {}  # place -> its waiter (None: not asked yet), in place order
+
+    def place(self) -> int:
+        place = next(self._places)
+        self._line[place] = None
+        return place
+
+    async def acquire(self, place: int) -> None:
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._line[place] = waiter
+        self._hand_out()
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self.release()  # the slot was ours already
+            else:
+                self.withdraw(place)
+            raise
+
+    def release(self) -> None:
+        self.free += 1
+        self._hand_out()
+
+    def withdraw(self, place: int) -> None:
+        """The place gives up its turn (it will not ask, or asks no more); idempotent."""
+        self._line.pop(place, None)
+        self._hand_out()
+
+    @contextlib.asynccontextmanager
+    async def held(self, place: int) -> AsyncIterator[None]:
+        await self.acquire(place)
+        try:
+            yield
+        finally:
+            self.release()
+
+    def _hand_out(self) -> None:
+        while self.free and self._line:
+            place, waiter = next(iter(self._line.items()))
+            if waiter is None:
+                return  # the first in line has not asked yet
+            del self._line[place]
+            self.free -= 1
+            waiter.set_result(None)
+
+
 class Stages:
     def __init__(self, limits: StageLimits):
         self.limits = limits
-        self.prepare = asyncio.Semaphore(limits.prepare)
+        self.prepare = OrderedSlots(limits.prepare)
         self.run = asyncio.Semaphore(limits.run)
         self.build = asyncio.Semaphore(limits.build)
         self.evaluate = asyncio.Semaphore(limits.evaluate)
@@ -63,6 +125,10 @@ class SessionWork(BaseModel):
 
 
 Report = Callable[[SessionResult], None]
+
+# how long post_run waits for the model calls a harness had in flight when it ended (timeout, crash, cancel) to
+# get their rows: the gateway notices the closed connection within a quarter second, cancels and commits
+SETTLE_SECONDS = 15.0
 
 # exchange row status -> (rows with it, the error of one of them)
 ExchangeOutcomes = dict[str, tuple[int, str | None]]
@@ -99,6 +165,11 @@ class Workbench(Protocol):
 
     async def create_sandbox(self, work: SessionWork) -> Sandbox: ...
 
+    async def settle_exchanges(self, session_id: str, timeout: float) -> int:
+        """Wait (up to `timeout` seconds) until every model call the session began has its row; how many still
+        have none."""
+        ...
+
     async def exchange_outcomes(self, session_id: str) -> ExchangeOutcomes:
         """The session's exchange rows so far, by status."""
         ...
@@ -118,6 +189,7 @@ class SessionRun:
         self.report = report
         self.result = queued_result(work)
         self.result.timings["queued"] = StageTiming(started_at=now())
+        self.place = stages.prepare.place()  # now, synchronously: sessions are made in sample order
         self.sandbox: Sandbox | None = None
         self.teardown_error: str | None = None
         self.outcomes: ExchangeOutcomes = {}
@@ -146,11 +218,17 @@ class SessionRun:
         except asyncio.CancelledError:
             uncancel()
             status, error = "cancelled", "cancelled"
+        finally:
+            self.stages.prepare.withdraw(self.place)  # a session that never asked (cancelled, failed) lets the next pass
         try:
             await self._enter("post_run")
+            # the harness is gone; a model call it had in flight ends (cancelled, recorded) before anything is counted
+            unsettled = await self.bench.settle_exchanges(self.work.session_id, SETTLE_SECONDS)
+            if unsettled:
+                self.teardown_error = f"{unsettled} model call(s) still in flight {SETTLE_SECONDS:g}s after the harness ended are not counted"
             self.outcomes = await self.bench.exchange_outcomes(self.work.session_id)
             self.result.n_exchanges = sum(n for n, _ in self.outcomes.values())
-            self.result.harness_output = _read_tail(self.output)
+            self.result.harness_output = redact.scrub_output(_read_tail(self.output), redact.env_secrets(self.work.request.agent.env))
             if status != "cancelled":
                 if status is not None or self.work.request.evaluator is None:
                     await self._destroy()  # nothing more happens in it
@@ -171,7 +249,7 @@ class SessionRun:
         harness = harnesses.get(request.agent.harness)
         budget = request.timeout_seconds
         try:
-            async with self.stages.prepare:
+            async with self.stages.prepare.held(self.place):
                 await self._enter("preparing")
                 started = time.monotonic()
                 async with asyncio.timeout(budget):
@@ -232,6 +310,7 @@ class SessionRun:
                 return "failed", f"evaluating: the evaluator exceeded its {evaluator.timeout_seconds:g}s"
             except Exception as failure:  # noqa: BLE001 - reported in the session's result
                 return "failed", f"evaluating: {type(failure).__name__}: {failure}"
+        self.result.evaluation.output = redact.scrub_output(self.result.evaluation.output, redact.env_secrets(self.work.request.agent.env))
         self.result.reward = self.result.evaluation.reward
         return None, None
 

@@ -59,10 +59,11 @@ from polar_mitm.store.segments import (
     segments_dir,
     write_parquet,
 )
+from polar_mitm.store.session_counts import SESSION_ARROW_SCHEMA
 from polar_mitm.store.snapshots import NodeData, NodeSnapshot, pull_snapshot, read_range, snapshot_dir
 from polar_mitm.store.sql_endpoint import READ_ONLY_STATEMENTS, check_read_only, control_file
 from polar_mitm.store.union import UnionStore, write_catalog
-from polar_mitm.store.writer import SESSION_ARROW_SCHEMA, Store
+from polar_mitm.store.writer import Store
 
 __all__ = [
     "write_catalog",

@@ -70,11 +70,13 @@ def _from_journal(name: str) -> str:
 JOURNAL_SELECT = ", ".join(_from_journal(name) for name in EXCHANGE_COLUMNS)
 
 
-def journal_source(number: int) -> str:
+def journal_source(number: int, where: str = "") -> str:
+    """A journal's rows with their records parsed (h, b); `where`: only the rows it selects (their records only
+    are parsed)."""
     columns = ", ".join(f'"{name}"' for name in JOURNAL_COLUMNS if name not in ("head", "body"))
     return (
         f"(SELECT {columns}, json_transform(decode(head), {quote(HEAD_STRUCTURE)}) AS h, "
-        f"json_transform(decode(body), {quote(BODY_STRUCTURE)}) AS b FROM {journal_table(number)})"
+        f"json_transform(decode(body), {quote(BODY_STRUCTURE)}) AS b FROM {journal_table(number)}{f' WHERE {where}' if where else ''})"
     )
 
 
@@ -166,14 +168,15 @@ def journal_records(row: Mapping[str, Any]) -> tuple[bytes, bytes]:
     return _dumps(head), _dumps(body)
 
 
-def insert_journal_rows(con: duckdb.DuckDBPyConnection, rows: Sequence[Mapping[str, Any]], table: str) -> None:
-    """Insert exchange rows into a journal table: one statement, however many rows."""
+def insert_journal_rows(con: duckdb.DuckDBPyConnection, rows: Sequence[Mapping[str, Any]], table: str) -> int:
+    """Insert exchange rows into a journal table: one statement, however many rows. Returns their records' bytes."""
     if not rows:
-        return
+        return 0
     if len(rows) == 1:
         row = rows[0]
-        con.execute(f"INSERT INTO {table} VALUES (?, ?, ?, ?, ?, ?)", [row["exchange_id"], row["session_id"], row["seq"], row["status"], *journal_records(row)])
-        return
+        head, body = journal_records(row)
+        con.execute(f"INSERT INTO {table} VALUES (?, ?, ?, ?, ?, ?)", [row["exchange_id"], row["session_id"], row["seq"], row["status"], head, body])
+        return len(head) + len(body)
     # DuckDB reads the Arrow table by its variable name (a replacement scan: cheaper than register())
     records = [journal_records(row) for row in rows]
     polar_pending_exchanges = pa.table(  # noqa: F841 - read by DuckDB
@@ -189,4 +192,5 @@ def insert_journal_rows(con: duckdb.DuckDBPyConnection, rows: Sequence[Mapping[s
         schema=JOURNAL_ARROW_SCHEMA,
     )
     con.execute(f"INSERT INTO {table} SELECT * FROM polar_pending_exchanges")
+    return sum(len(head) + len(body) for head, body in records)
 

@@ -4,6 +4,8 @@ and it imports nothing of ours.
 - EXCHANGE_COLUMNS: the `exchanges` columns and their DuckDB types (a public interface: add, never rename);
   ExchangeRow, the same fields as a typed dict, is what the gateway hands Store.commit_exchange.
 - SESSION_COLUMNS: the `sessions` table.
+- MARKS_TABLE / MARK_COLUMNS: an exchange's later status (a reply that could not be delivered), which the
+  `exchanges` view shows instead of the committed one.
 - MATERIAL: the SQL filter for trajectory material (what the assembler trains on).
 - TRAJECTORIES / TRAJECTORIES_SCHEMA: the assembler's table and Parquet schema (written by
   polar_mitm.assembler.export, read by the views).
@@ -68,6 +70,10 @@ EXCHANGE_COLUMNS: dict[str, str] = {
     "output_parse_error": "VARCHAR",
     # the gateway's policy version when this row's engine call started (POST /control/resume sets it)
     "policy_version": "INTEGER",
+    # tokens mode: the digest of this exchange's conversation + our answer (+ tools and template arguments); a
+    # later request of the session whose history starts with it is bridged onto this row's tokens, also when the
+    # gateway no longer holds the session's lineage in memory (restarted, or the session evicted)
+    "bridge_key": "VARCHAR",
 }
 
 
@@ -121,6 +127,7 @@ class ExchangeRow(TypedDict, total=False):
     bridge_reason: str | None
     output_parse_error: str | None
     policy_version: int | None
+    bridge_key: str | None
 
 
 SESSION_COLUMNS: dict[str, str] = {
@@ -156,6 +163,13 @@ ARROW_TYPES = {"VARCHAR": pa.string(), "INTEGER": pa.int32(), "TIMESTAMPTZ": pa.
 
 # trajectory material: what the assembler trains on (a sampled turn of a live request, with its token ids)
 MATERIAL = "status = 'ok' AND coalesce(action, 'generate') = 'generate' AND NOT coalesce(replay, false) AND prompt_token_ids IS NOT NULL"
+
+# later word on an exchange, committed after its row (which is never rewritten): a reply the gateway committed
+# `ok` and then could not deliver (its client had closed or reset the connection before or while it was written)
+# gets a mark with status `client_disconnected` and an error saying why. The `exchanges` view shows a marked row
+# with its mark's status and error, so every reader (MATERIAL, the assembler, the views) sees it as it ended.
+MARKS_TABLE = "exchange_marks"
+MARK_COLUMNS: dict[str, str] = {"exchange_id": "VARCHAR PRIMARY KEY", "status": "VARCHAR NOT NULL", "error": "VARCHAR", "marked_at": "TIMESTAMPTZ"}
 
 # session statuses that count as complete (compared lower-cased); no status at all counts as complete too
 COMPLETED_STATUSES = frozenset({"completed", "complete", "success", "succeeded", "done", "ok", "finished"})

@@ -8,10 +8,11 @@ Layout. `exchanges` is a view over two kinds of storage, with the contract's col
   on 1.3 to 2.0: the Nth single-row commit of a 14k-id array logs N x 56 KB), which made each commit slower
   than the last until a checkpoint; a JSON record is logged once.
 - segments (`<db>.segments/NNNNNN-<random>.parquet`, listed in `exchange_segments`): immutable Parquet files
-  with INTEGER[] / DOUBLE[] columns. When a journal reaches `segment_rows` rows the writer starts a new one, and a
-  compactor thread copies the full journal into a segment (fsynced, then renamed), after which the writer drops
-  the journal and re-points the view in one transaction. A crash at any point leaves either the journal or the
-  segment registered, never both and never neither; leftover journals are compacted when the store reopens.
+  with INTEGER[] / DOUBLE[] columns. When a journal reaches `segment_rows` rows (or its records a size in MB) the
+  writer starts a new one, and a compactor thread copies the full journal into a segment (fsynced, then renamed),
+  after which the writer drops the journal and re-points the view in one transaction. A crash at any point leaves
+  either the journal or the segment registered, never both and never neither; leftover journals are compacted when
+  the store reopens.
 
 Where the view finds its segments. The view names each segment relative to the folder that holds the database
 file (`hello.duckdb.segments/000001-….parquet`), so the store (the file and its segments folder) can be moved or
@@ -46,6 +47,8 @@ from polar_mitm.store.records import JOURNAL_SELECT, journal_source, journal_tab
 from polar_mitm.store.schema import (
     EXCHANGE_COLUMNS,
     EXCHANGES_DOC,
+    MARK_COLUMNS,
+    MARKS_TABLE,
     SESSION_COLUMNS,
     base_type,
     now,
@@ -111,6 +114,25 @@ def contract_select(present: Collection[str] | None = None) -> str:
 SEGMENT_SELECT = contract_select()
 
 
+# the columns of each segment file seen (a segment is immutable and its name unique): the view is re-pointed on the
+# writer's thread at every compaction, which must not read every footer again
+_SEGMENT_COLUMNS: dict[str, frozenset[str]] = {}
+_ALL_COLUMNS = frozenset(EXCHANGE_COLUMNS)
+
+
+def segments_select(con: duckdb.DuckDBPyConnection, paths: list[str]) -> str:
+    """The select list over these segment files: a column none of them has (all written before it was added) reads
+    as a typed NULL; read_parquet's union_by_name fills it where only some lack it."""
+    present: set[str] = set()
+    for path in paths:
+        columns = _SEGMENT_COLUMNS.get(path)
+        if columns is None:
+            found = frozenset(row[0] for row in con.execute(f"DESCRIBE SELECT * FROM read_parquet({quote(path)})").fetchall())
+            columns = _SEGMENT_COLUMNS[path] = _ALL_COLUMNS if found >= _ALL_COLUMNS else found
+        present |= columns
+    return SEGMENT_SELECT if present >= _ALL_COLUMNS else contract_select(present)
+
+
 def segment_file(number: int) -> str:
     """A new segment's file name: its number, then a random part that no other segment file has (see the top)."""
     return f"{number:06d}-{secrets.token_hex(8)}.parquet"
@@ -146,15 +168,24 @@ def remove_unlisted_segments(con: duckdb.DuckDBPyConnection, directory: Path) ->
     return removed
 
 
-def exchanges_view_sql(segment_paths: list[str], journals: list[int]) -> str:
+def exchanges_view_sql(con: duckdb.DuckDBPyConnection, segment_paths: list[str], journals: list[int]) -> str:
     """The view over these segments (as view_path names them) and journals."""
     parts = []
     if segment_paths:
         files = ", ".join(quote(path) for path in segment_paths)
-        # union_by_name: segments written before a column was added read it as NULL
-        parts.append(f"SELECT {SEGMENT_SELECT} FROM read_parquet([{files}], union_by_name = true)")
+        parts.append(f"SELECT {segments_select(con, segment_paths)} FROM read_parquet([{files}], union_by_name = true)")
     parts += [f"SELECT {JOURNAL_SELECT} FROM {journal_source(number)}" for number in journals]
-    return "CREATE OR REPLACE VIEW exchanges AS " + " UNION ALL ".join(parts)
+    return "CREATE OR REPLACE VIEW exchanges AS " + with_marks(" UNION ALL ".join(parts), MARKS_TABLE)
+
+
+def with_marks(rows: str, marks: str) -> str:
+    """The exchanges `rows` selects, each with its mark's status and error where `marks` (a table or a query with
+    MARK_COLUMNS) has one: a reply committed ok that never reached its client reads `client_disconnected`. A left
+    join on a table of the few undelivered replies: filters on the other columns still reach the segments."""
+    return (
+        "SELECT e.* REPLACE (coalesce(m.status, e.status) AS status, CASE WHEN m.exchange_id IS NULL THEN e.error ELSE m.error END AS error) "
+        f"FROM ({rows}) e LEFT JOIN {marks} m ON m.exchange_id = e.exchange_id"
+    )
 
 
 def create_table(con: duckdb.DuckDBPyConnection, table: str, columns: dict[str, str]) -> None:
@@ -171,25 +202,41 @@ def tables(con: duckdb.DuckDBPyConnection) -> set[str]:
 
 
 def ensure_schema(con: duckdb.DuckDBPyConnection) -> None:
-    """The tables beside the exchanges (sessions, meta, the segment list); Store creates journals and the view."""
+    """The tables beside the exchanges (sessions, marks, meta, the segment list); Store makes journals and the view."""
     create_table(con, "sessions", SESSION_COLUMNS)
+    create_table(con, MARKS_TABLE, MARK_COLUMNS)
     con.execute(f"CREATE TABLE IF NOT EXISTS {SEGMENTS_TABLE} (segment INTEGER PRIMARY KEY, file VARCHAR NOT NULL, rows BIGINT, created_at TIMESTAMPTZ)")
     con.execute("CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR)")
 
 
 def write_view(con: duckdb.DuckDBPyConnection, db_path: str | os.PathLike[str], segment_files: list[str], journals: list[int]) -> None:
-    con.execute(exchanges_view_sql([view_path(db_path, file) for file in segment_files], journals))
+    con.execute(exchanges_view_sql(con, [view_path(db_path, file) for file in segment_files], journals))
     con.execute(f"COMMENT ON VIEW exchanges IS {quote(EXCHANGES_DOC)}")
 
 
-def write_segment(con: duckdb.DuckDBPyConnection, number: int, directory: Path) -> tuple[str | None, int]:
+def write_segment(
+    con: duckdb.DuckDBPyConnection, number: int, directory: Path, journal_bytes: int | None = None, slice_bytes: int = 0,
+) -> tuple[str | None, int]:
     """Copy journal `number` (no longer written to) into a new Parquet segment; returns its file (None when the
-    journal was empty) and the rows copied."""
-    rows = con.execute(f"SELECT count(*) FROM {journal_table(number)}").fetchall()[0][0]
+    journal was empty) and the rows copied. `journal_bytes`: its records' size, when the writer counted it.
+
+    `slice_bytes` (0: all at once): how many bytes of records are parsed at once. DuckDB parses a whole vector (up to
+    2048 rows, so a whole journal) in one go and held ~5x its bytes meanwhile (measured: +300 MB for 256 rows of
+    14k-token exchanges, +50 MB in 8 MB slices, which cost the compactor ~1.1-1.3x the CPU)."""
+    table = journal_table(number)
+    rows, size = con.execute(f"SELECT count(*), {'coalesce(sum(octet_length(head) + octet_length(body)), 0)' if journal_bytes is None else journal_bytes} FROM {table}").fetchall()[0]
     if not rows:
         return None, 0
     file = segment_file(number)
-    write_parquet(con, f"SELECT {JOURNAL_SELECT} FROM {journal_source(number)}", directory / file)
+    per_slice = max(1, rows * slice_bytes // max(size, 1)) if slice_bytes else rows
+    if per_slice >= rows:
+        write_parquet(con, f"SELECT {JOURNAL_SELECT} FROM {journal_source(number)}", directory / file)
+        return file, rows
+    # slices of rows (a journal's rowids are 0..rows-1: it is only ever appended to), one row group each
+    bounds = list(range(0, rows, per_slice))
+    where = [f"rowid >= {start}" + (f" AND rowid < {start + per_slice}" if start + per_slice < rows else "") for start in bounds]
+    select = " UNION ALL ".join(f"SELECT {JOURNAL_SELECT} FROM {journal_source(number, condition)}" for condition in where)
+    write_parquet(con, select, directory / file, row_group_rows=per_slice)
     return file, rows
 
 
@@ -211,14 +258,20 @@ def migrate_v1(con: duckdb.DuckDBPyConnection, directory: Path) -> str | None:
     return file
 
 
-def write_parquet(con: duckdb.DuckDBPyConnection, select: str, path: Path) -> None:
-    """Write a segment durably: to a temporary name, fsynced, then renamed (a segment file is whole or absent)."""
+def write_parquet(con: duckdb.DuckDBPyConnection, select: str, path: Path, row_group_rows: int | None = None) -> None:
+    """Write a segment durably: to a temporary name, fsynced, then renamed (a segment file is whole or absent).
+    A failure (a full disk) leaves neither: the temporary file is removed, so it holds no space."""
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(path.name + ".tmp")
-    # lz4: about half zstd's CPU here (token ids are random-looking integers), in files ~1.5x the size
-    con.execute(f"COPY ({select}) TO {quote(str(temporary))} (FORMAT parquet, COMPRESSION lz4_raw)")
-    _fsync(temporary)
-    os.replace(temporary, path)
+    row_groups = f", ROW_GROUP_SIZE {row_group_rows}" if row_group_rows else ""
+    try:
+        # lz4: about half zstd's CPU here (token ids are random-looking integers), in files ~1.5x the size
+        con.execute(f"COPY ({select}) TO {quote(str(temporary))} (FORMAT parquet, COMPRESSION lz4_raw{row_groups})")
+        _fsync(temporary)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
     _fsync(path.parent)
 
 

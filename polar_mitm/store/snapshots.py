@@ -26,7 +26,7 @@ import duckdb
 from pydantic import BaseModel
 
 from polar_mitm.store.records import JOURNAL_PREFIX, JOURNAL_SELECT, journal_source
-from polar_mitm.store.schema import quote
+from polar_mitm.store.schema import MARKS_TABLE, quote
 from polar_mitm.store.segments import SEGMENTS_TABLE, segments_dir
 
 
@@ -36,6 +36,7 @@ class NodeSnapshot(BaseModel):
     node: str
     exchanges: list[str]  # segments (immutable) and the journal tail written for this snapshot
     sessions: str
+    marks: str | None = None  # the exchanges' later statuses (schema.MARKS_TABLE); None from a store without them
     seconds: float = 0.0
     sizes: dict[str, int] = {}  # bytes of every file above, as the node sees them
     pulled_bytes: int = 0  # copied to the head for this snapshot (0: read in place, or every file already there)
@@ -62,6 +63,7 @@ def snapshot_store(con: duckdb.DuckDBPyConnection, db_path: Path, node: str, out
     stamp = f"{time.time_ns()}"
     tail = out_dir / f"tail-{stamp}.parquet"
     sessions = out_dir / f"sessions-{stamp}.parquet"
+    marks: Path | None = out_dir / f"marks-{stamp}.parquet"
     cursor = con.cursor()
     try:
         cursor.execute("BEGIN TRANSACTION")  # the segment list and the journals as of one instant
@@ -78,12 +80,16 @@ def snapshot_store(con: duckdb.DuckDBPyConnection, db_path: Path, node: str, out
             cursor.execute(f"COPY ({select}) TO {quote(str(tail))} (FORMAT parquet, COMPRESSION lz4_raw)")
             files.append(str(tail))
         cursor.execute(f"COPY (SELECT * FROM sessions) TO {quote(str(sessions))} (FORMAT parquet)")
+        if cursor.execute("SELECT count(*) FROM duckdb_tables() WHERE schema_name = 'main' AND table_name = ?", [MARKS_TABLE]).fetchall()[0][0]:
+            cursor.execute(f"COPY (SELECT * FROM {MARKS_TABLE}) TO {quote(str(marks))} (FORMAT parquet)")
+        else:
+            marks = None  # a store written before marks existed
         cursor.execute("COMMIT")
     finally:
         cursor.close()
-    remove_older(out_dir, keep={tail.name, sessions.name})
-    sizes = {path: os.path.getsize(path) for path in [*files, str(sessions)]}
-    return NodeSnapshot(node=node, exchanges=files, sessions=str(sessions), seconds=round(time.perf_counter() - started, 4), sizes=sizes)
+    remove_older(out_dir, keep={tail.name, sessions.name, *([marks.name] if marks else [])})
+    sizes = {path: os.path.getsize(path) for path in [*files, str(sessions), *([str(marks)] if marks else [])]}
+    return NodeSnapshot(node=node, exchanges=files, sessions=str(sessions), marks=str(marks) if marks else None, seconds=round(time.perf_counter() - started, 4), sizes=sizes)
 
 
 def readable_file(db_path: Path, path: str) -> Path:
@@ -135,8 +141,9 @@ async def pull_snapshot(snapshot: NodeSnapshot, mirror: Path, read: ReadRange, m
 
     exchanges = [await local(path) for path in snapshot.exchanges]
     sessions = await local(snapshot.sessions)
-    remove_older(mirror, keep={Path(p).name for p in [*exchanges, sessions]})
-    return snapshot.model_copy(update={"exchanges": exchanges, "sessions": sessions, "sizes": {}, "pulled_bytes": pulled})
+    marks = await local(snapshot.marks) if snapshot.marks else None
+    remove_older(mirror, keep={Path(p).name for p in [*exchanges, sessions, *([marks] if marks else [])]})
+    return snapshot.model_copy(update={"exchanges": exchanges, "sessions": sessions, "marks": marks, "sizes": {}, "pulled_bytes": pulled})
 
 
 def _has_size(path: Path, size: int) -> bool:

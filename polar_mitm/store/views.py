@@ -122,6 +122,22 @@ VIEWS: dict[str, View] = {
                min(reward) AS min_reward, max(reward) AS max_reward
         FROM sessions GROUP BY ALL ORDER BY task_id, harness""",
     ),
+    "rollout_stats": View(
+        "One row per session, over its trajectory material: what a trainer checks before it trains on it. Exchanges, "
+        "sampled tokens, tool_call_parse_failures (sampled tool calls that did not parse and went back as text: tokens "
+        "mode parses them itself), tokens_mode_exchanges, bridged_fraction (of the tokens-mode exchanges that continue an "
+        "earlier turn, the fraction bridged onto its exact tokens), and the lowest and highest policy version sampled under.",
+        f"""
+        SELECT e.session_id, any_value(s.task_id) AS task_id, any_value(e.harness) AS harness, count(*) AS exchanges,
+               sum(len(e.completion_token_ids)) AS sampled_tokens,
+               count(*) FILTER (WHERE e.output_parse_error IS NOT NULL) AS tool_call_parse_failures,
+               count(*) FILTER (WHERE e.render_mode = 'tokens') AS tokens_mode_exchanges,
+               round(count(*) FILTER (WHERE e.bridged)
+                     / nullif(count(*) FILTER (WHERE e.render_mode = 'tokens' AND e.bridge_reason IS DISTINCT FROM 'first_turn'), 0), 4) AS bridged_fraction,
+               min(e.policy_version) AS min_policy_version, max(e.policy_version) AS max_policy_version
+        FROM (SELECT * FROM exchanges WHERE {MATERIAL}) e LEFT JOIN sessions s USING (session_id)
+        GROUP BY e.session_id ORDER BY e.session_id""",
+    ),
     "errors": View(
         "Exchanges that did not succeed, newest first: status class, HTTP status and message, in the provider's shape the "
         "client got.",

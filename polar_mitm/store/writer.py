@@ -25,6 +25,7 @@ import duckdb
 import pyarrow as pa
 
 from polar_mitm.store import sql_endpoint, views
+from polar_mitm.store.compactor import Compaction
 from polar_mitm.store.records import (
     JOURNAL_COLUMNS,
     JOURNAL_PREFIX,
@@ -32,16 +33,13 @@ from polar_mitm.store.records import (
     journal_table,
 )
 from polar_mitm.store.schema import (
-    ARROW_TYPES,
+    MARKS_TABLE,
     SCHEMA_VERSION,
-    SESSION_COLUMNS,
     ExchangeRow,
-    base_type,
     now,
     trajectory_statements,
 )
 from polar_mitm.store.segments import (
-    checkpoint_soon,
     connect,
     ensure_schema,
     fetch,
@@ -57,36 +55,27 @@ from polar_mitm.store.segments import (
     write_segment,
     write_view,
 )
+from polar_mitm.store.session_counts import RECOUNT_NEW_SESSIONS, RECOUNT_SESSIONS, count_sessions, update_sessions
 from polar_mitm.store.snapshots import NodeSnapshot, snapshot_dir, snapshot_store
+from polar_mitm.store.trouble import WriteTrouble, invalidates, one_line
 
 log = logging.getLogger("polar_mitm.store")
 
-SESSION_ARROW_SCHEMA = pa.schema([(name, ARROW_TYPES[base_type(SESSION_COLUMNS[name])]) for name in ("session_id", "created_at", "last_seen_at", "n_exchanges", "harness")])
+# the memory bounds (polar_mitm/gateway/options.py: store_memory_mb, store_journal_mb, store_compact_slice_mb, with
+# these defaults): DuckDB's memory limit (0: DuckDB's own, 80% of RAM) is a backstop, well above what the other two
+# leave in use: past it DuckDB fails the write, and a live gateway's SQL readers share it (256 MB with whole-journal
+# compactions did, in bench/memory_bench.py); a journal becomes a segment at this many MB of records even before it
+# has `segment_rows` rows (0: rows only); a compaction parses this many MB of records at once (0: the whole journal)
+MEMORY_MB = 512
+JOURNAL_MB = 32
+COMPACT_SLICE_MB = 8
+# journals waiting for the compactor (one being compacted, one queued) before the writer waits for it: a compactor
+# that falls behind (it yields to the proxy) would otherwise hold every full journal in memory
+COMPACTION_BACKLOG = 2
+# after DuckDB invalidated the database (a write that failed mid-checkpoint: a full disk), how often the writer
+# tries to open the file again; commits meanwhile are refused at once
+REOPEN_EVERY_S = 0.5
 
-# an UPDATE plus an INSERT of the sessions not there yet: DuckDB's INSERT ... ON CONFLICT DO UPDATE cost ~3x more
-_UPDATE_SESSIONS = (
-    "UPDATE sessions SET last_seen_at = p.last_seen_at, n_exchanges = coalesce(sessions.n_exchanges, 0) + p.n_exchanges, "
-    "harness = coalesce(sessions.harness, p.harness) FROM polar_pending_sessions p WHERE sessions.session_id = p.session_id"
-)
-_UPDATE_SESSION = "UPDATE sessions SET last_seen_at = ?, n_exchanges = coalesce(n_exchanges, 0) + ?, harness = coalesce(harness, ?) WHERE session_id = ?"
-_INSERT_SESSIONS = (
-    "INSERT INTO sessions (session_id, created_at, last_seen_at, n_exchanges, harness) "
-    "SELECT session_id, created_at, last_seen_at, n_exchanges, harness FROM polar_pending_sessions "
-    "WHERE session_id NOT IN (SELECT session_id FROM sessions)"
-)
-
-
-# after a crash: session counters the writer had not flushed yet, recounted from the exchanges themselves
-_RECOUNT_NEW_SESSIONS = (
-    "INSERT INTO sessions (session_id, created_at, last_seen_at, n_exchanges, harness) "
-    "SELECT session_id, min(started_at), max(coalesce(ended_at, started_at)), count(*), any_value(harness) FROM exchanges "
-    "WHERE session_id NOT IN (SELECT session_id FROM sessions) GROUP BY session_id"
-)
-_RECOUNT_SESSIONS = (
-    "UPDATE sessions SET n_exchanges = e.n, last_seen_at = greatest(sessions.last_seen_at, e.last_seen_at), harness = coalesce(sessions.harness, e.harness) "
-    "FROM (SELECT session_id, count(*) AS n, max(coalesce(ended_at, started_at)) AS last_seen_at, any_value(harness) AS harness "
-    "FROM exchanges GROUP BY session_id) e WHERE sessions.session_id = e.session_id"
-)
 
 
 @dataclass
@@ -100,22 +89,23 @@ class _Pending:
     step: Callable[[duckdb.DuckDBPyConnection], None] | None = None  # runs alone, in its own transaction
 
 
-class Store:
+class Store(Compaction):
     """The single writer of one DuckDB file; safe to use from an asyncio event loop."""
 
-    def __init__(self, path: str | os.PathLike[str], batch_max: int = 256, segment_rows: int = 256):
+    def __init__(
+        self, path: str | os.PathLike[str], batch_max: int = 256, segment_rows: int = 256, memory_mb: int = MEMORY_MB, journal_mb: int = JOURNAL_MB,
+        compact_slice_mb: int = COMPACT_SLICE_MB, report: Callable[[str], None] | None = None,
+    ):
+        """`report`: where the store says, in one line each, that it cannot write and that it writes again
+        (default: a warning on this module's log); one line per episode, not one per refused commit."""
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.segments_dir = segments_dir(self.path)
         self.segment_rows = segment_rows
-        self.con = connect(self.path)
-        # Checkpoints are the compactor's, right after it drops a journal (when there is least to write); the
-        # automatic ones, which would stall a commit, only if the WAL grows past 1 GB. DuckDB's default would also
-        # checkpoint instead of logging any commit over 100 KB, i.e. every exchange.
-        self.con.execute(f"SET auto_checkpoint_skip_wal_threshold = {2**62}")
-        self.con.execute("SET checkpoint_threshold = '1GB'")
-        # every statement on the hot path is one small insert; parallel scans would only compete with the proxy
-        self.con.execute("SET threads = 1")
+        self.memory_mb, self.journal_bytes_max, self.slice_bytes = memory_mb, journal_mb << 20, compact_slice_mb << 20
+        self.trouble = WriteTrouble(self.path, report or (lambda message: log.warning(f"polar-mitm: {message}")))
+        self.compaction_trouble = WriteTrouble(self.path, self.trouble.report, compaction=True)
+        self.con = self._connect()
         ensure_schema(self.con)
         migrate_v1(self.con, self.segments_dir)
         self._segments = listed_segments(self.con)  # file names, in the segments folder
@@ -132,16 +122,21 @@ class Store:
         self.con.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
         views.create_views(self.con)  # after the tables and the exchanges view they select from
         if self.con.execute("SELECT value FROM meta WHERE key = 'closed_cleanly'").fetchall() != [("true",)]:
-            self.con.execute(_RECOUNT_NEW_SESSIONS)
-            self.con.execute(_RECOUNT_SESSIONS)
+            self.con.execute(RECOUNT_NEW_SESSIONS)
+            self.con.execute(RECOUNT_SESSIONS)
         self.con.execute("INSERT OR REPLACE INTO meta VALUES ('closed_cleanly', 'false')")
         self._seq: dict[str, int] = dict(self.con.execute("SELECT session_id, max(seq) FROM exchanges GROUP BY session_id").fetchall())
-        self._journal_rows = 0
+        self._journal_rows = self._journal_bytes = 0
+        self._compacting: set[int] = set()  # journals queued for the compactor or being compacted
+        self._compacted = threading.Event()  # set each time the compactor has written a segment or given up on one
+        self._invalid: BaseException | None = None  # DuckDB invalidated the database: reopened before the next write
+        self._next_reopen = 0.0
         self._known_sessions = {session_id for (session_id,) in self.con.execute("SELECT session_id FROM sessions").fetchall()}
         self._session_counts: dict[str, dict[str, Any]] = {}  # committed exchanges not yet counted into `sessions`
         self._queue: queue.Queue[_Pending | None] = queue.Queue()
         self._batch_max = batch_max
-        self._compactions: queue.Queue[int | None] = queue.Queue()
+        self._compactions: queue.Queue[tuple[int, int | None] | None] = queue.Queue()
+        self._pending = _Pending
         self._writer = threading.Thread(target=self._write_loop, name="polar-store-writer", daemon=True)
         self._writer.start()
         self._compactor = threading.Thread(target=self._compact_loop, name="polar-store-compactor", daemon=True)
@@ -154,6 +149,10 @@ class Store:
         seq = self._seq.get(session_id, 0) + 1
         self._seq[session_id] = seq
         return seq
+
+    def issued_seqs(self, session_id: str) -> int:
+        """How many exchanges of the session were begun (each gets its row: committed, or still in flight)."""
+        return self._seq.get(session_id, 0)
 
     # -- writes
     async def commit_exchange(self, row: ExchangeRow) -> None:
@@ -176,6 +175,22 @@ class Store:
         self._queue.put(_Pending(row=row, done=done))
         await future
 
+    async def commit_mark(self, exchange_id: str, status: str, error: str) -> None:
+        """Commit a later status for a committed exchange (schema.MARKS_TABLE: a reply that could not be
+        delivered); the `exchanges` view shows it instead of the row's own. Returns once it is durable."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+
+        def settle(error: BaseException | None) -> None:
+            if not future.done():
+                future.set_exception(error) if error is not None else future.set_result(None)
+
+        def done(error: BaseException | None) -> None:
+            loop.call_soon_threadsafe(settle, error)
+
+        self._queue.put(_Pending(f"INSERT OR REPLACE INTO {MARKS_TABLE} VALUES (?, ?, ?, ?)", [exchange_id, status, error, now()], done=done))
+        await future
+
     def execute_write(self, sql: str, params: list[Any] | None = None) -> None:
         """Run one write statement through the writer thread (serialised with exchange commits)."""
         self._call_writer(_Pending(sql, params or []))
@@ -195,12 +210,33 @@ class Store:
         if errors:
             raise errors[0]
 
-    def _write_loop(self) -> None:
+    def _connect(self) -> duckdb.DuckDBPyConnection:
+        con = connect(self.path)
+        # Checkpoints are the compactor's, right after it drops a journal (when there is least to write); the
+        # automatic ones, which would stall a commit, only if the WAL grows past 1 GB. DuckDB's default would also
+        # checkpoint instead of logging any commit over 100 KB, i.e. every exchange.
+        con.execute(f"SET auto_checkpoint_skip_wal_threshold = {2**62}")
+        con.execute("SET checkpoint_threshold = '1GB'")
+        # every statement on the hot path is one small insert; parallel scans would only compete with the proxy
+        con.execute("SET threads = 1")
+        if self.memory_mb:
+            con.execute(f"SET memory_limit = '{self.memory_mb}MB'")
+        # DuckDB's allocator gives memory back after each task that peaked past 8 MB (default 128 MB), and purges in
+        # background threads: a compaction's transient memory would otherwise stay resident (bench/memory_results.md)
+        con.execute("SET allocator_flush_threshold = '8MB'")
+        con.execute("SET allocator_background_threads = true")
+        return con
+
+    def _writer_cursors(self) -> tuple[duckdb.DuckDBPyConnection, duckdb.DuckDBPyConnection]:
         con = self.con.cursor()
         # exchange rows go in through a connection of their own, without DuckDB's optimizer: there is nothing to
         # optimize in an INSERT of values, and its passes cost ~0.15 ms of each commit (measured, DuckDB 2.0)
         appends = self.con.cursor()
         appends.execute("SET SESSION enable_optimizer = false")  # SESSION: a plain SET switches it off for every connection
+        return con, appends
+
+    def _write_loop(self) -> None:
+        con, appends = self._writer_cursors()
         unflushed_batches = 0
         while True:
             try:
@@ -208,12 +244,21 @@ class Store:
                 # was woken to send the reply
                 first = self._queue.get(timeout=0.005 if self._session_counts else None)
             except queue.Empty:
+                if self._invalid is not None:
+                    if not self._reopen():
+                        continue
+                    con, appends = self._writer_cursors()
                 self._flush_sessions(con)
                 unflushed_batches = 0
                 continue
             if first is None:
                 self._flush_sessions(con)
                 return
+            if self._invalid is not None:
+                if not self._reopen():
+                    self._refuse(first)
+                    continue
+                con, appends = self._writer_cursors()
             if first.step is not None:
                 self._run_step(con, first)
                 continue
@@ -238,20 +283,65 @@ class Store:
             if unflushed_batches >= 8:
                 self._flush_sessions(con)
                 unflushed_batches = 0
-            if self._journal_rows >= self.segment_rows:
+            if self._journal_rows >= self.segment_rows or (self.journal_bytes_max and self._journal_bytes >= self.journal_bytes_max):
                 try:
+                    full_bytes = self._journal_bytes
                     full = self._rotate(con)
-                except Exception:  # noqa: BLE001 - keep journaling into the current table; retried after the next batch
-                    log.exception("polar-mitm: could not start a new journal")
+                except Exception as error:  # noqa: BLE001 - keep journaling into the current table; retried after the next batch
+                    self._trouble("starting a new journal", error)
                     continue
                 if full is not None:
-                    self._compactions.put(full)
+                    self._queue_compaction(full, full_bytes)
+                self._queue_uncompacted()
+                if len(self._compacting) > COMPACTION_BACKLOG and self._compactor.is_alive():
+                    # backpressure: commits wait (a few ms) rather than full journals piling up in memory
+                    self._compacted.clear()
+                    self._compacted.wait(timeout=5)
+
+    def _refuse(self, item: _Pending) -> None:
+        """Answer a queued write with the store's failure, without trying it (the file is being reopened)."""
+        assert self._invalid is not None
+        self._trouble("reopening the store", self._invalid, refused=int(item.row is not None))
+        if item.done:
+            item.done(OSError(f"the store cannot write until it is reopened: {one_line(self._invalid)}"))
+
+    def _reopen(self) -> bool:
+        """Open the file again after DuckDB invalidated it (writer thread): what was committed is read back from it
+        (the WAL replayed), a new journal started and the full ones queued for compaction. False: not yet."""
+        if time.monotonic() < self._next_reopen:
+            return False
+        self._next_reopen = time.monotonic() + REOPEN_EVERY_S
+        try:
+            self.con.close()
+        except duckdb.Error:
+            pass
+        try:
+            self.con = con = self._connect()
+            self._segments = listed_segments(con)
+            self._journals = sorted(int(name[len(JOURNAL_PREFIX):]) for name in tables(con) if re.fullmatch(JOURNAL_PREFIX + r"\d+", name))
+            self._next_number = max(next_segment(con), max(self._journals, default=0) + 1)
+            self._rotate(con)
+        except Exception as error:  # noqa: BLE001 - still cannot write; tried again in REOPEN_EVERY_S
+            self._invalid = error
+            return False
+        self._invalid = None
+        self._compacting.clear()  # the compactor skips what it was given before and is not a journal any more
+        self._queue_uncompacted()
+        return True
+
+    def _trouble(self, doing: str, error: BaseException, refused: int = 0, compaction: bool = False) -> None:
+        """A write failed: said once per episode (polar_mitm.store.trouble), not once per refused commit."""
+        if invalidates(error):
+            self._invalid = error  # DuckDB refuses every write from now on: reopened before the next one
+        (self.compaction_trouble if compaction else self.trouble).failed(doing, error, refused)
 
     def _run_step(self, con: duckdb.DuckDBPyConnection, item: _Pending) -> None:
         assert item.step is not None
         try:
             item.step(con)
         except Exception as error:  # noqa: BLE001 - reported to the waiting caller
+            if invalidates(error):
+                self._invalid = error
             if item.done:
                 item.done(error)
             return
@@ -262,45 +352,54 @@ class Store:
         try:
             if all(item.row is not None for item in batch):
                 # one INSERT is its own transaction: no BEGIN/COMMIT statements to pay for (~0.5 ms at one row)
-                insert_journal_rows(appends, [item.row for item in batch], journal_table(self._journals[-1]))  # type: ignore[misc]
+                written = insert_journal_rows(appends, [item.row for item in batch], journal_table(self._journals[-1]))  # type: ignore[misc]
             else:
                 with transaction(con):
-                    self._apply(con, batch)
+                    written = self._apply(con, batch)
             self.commits += 1
         except Exception:
-            # one bad row must not fail its neighbours: retry each alone
+            # one bad row must not fail its neighbours: retry each alone (unless DuckDB refuses every write now)
             for item in batch:
+                if self._invalid is not None:
+                    self._refuse(item)
+                    continue
                 try:
                     with transaction(con):
-                        self._apply(con, [item])
+                        written = self._apply(con, [item])
                 except Exception as error:  # noqa: BLE001 - reported to the waiting caller
+                    self._trouble("committing an exchange", error, refused=int(item.row is not None))
                     if item.done:
                         item.done(error)
                     continue
-                self._committed([item])
+                self._committed([item], written)
             return
-        self._committed(batch)
+        self._committed(batch, written)
 
-    def _committed(self, batch: list[_Pending]) -> None:
+    def _committed(self, batch: list[_Pending], written: int) -> None:
         rows = [item.row for item in batch if item.row is not None]
+        if rows:
+            self.trouble.writes_again()
         self._journal_rows += len(rows)
-        _count_sessions(self._session_counts, rows)
+        self._journal_bytes += written
+        count_sessions(self._session_counts, rows)
         for item in batch:
             if item.done:
                 item.done(None)
 
-    def _apply(self, con: duckdb.DuckDBPyConnection, batch: list[_Pending]) -> None:
-        """The batch's writes in queue order; each run of exchange rows goes in as one insert."""
+    def _apply(self, con: duckdb.DuckDBPyConnection, batch: list[_Pending]) -> int:
+        """The batch's writes in queue order; each run of exchange rows goes in as one insert. Returns the bytes
+        of exchange records written."""
         table = journal_table(self._journals[-1])
         rows: list[Mapping[str, Any]] = []
+        written = 0
         for item in batch:
             if item.row is not None:
                 rows.append(item.row)
                 continue
-            insert_journal_rows(con, rows, table)
+            written += insert_journal_rows(con, rows, table)
             rows = []
             con.execute(item.sql, item.params)
-        insert_journal_rows(con, rows, table)
+        return written + insert_journal_rows(con, rows, table)
 
     def _flush_sessions(self, con: duckdb.DuckDBPyConnection) -> None:
         """Count committed exchanges into `sessions`, in a transaction of their own.
@@ -313,12 +412,12 @@ class Store:
         counts = self._session_counts
         try:
             if len(counts) == 1 and self._known_sessions.issuperset(counts):
-                _update_sessions(con, counts, self._known_sessions)  # one UPDATE: its own transaction
+                update_sessions(con, counts, self._known_sessions)  # one UPDATE: its own transaction
             else:
                 with transaction(con):
-                    _update_sessions(con, counts, self._known_sessions)
-        except Exception:  # noqa: BLE001 - kept, and retried with the next flush
-            log.exception("polar-mitm: could not update session counters")
+                    update_sessions(con, counts, self._known_sessions)
+        except Exception as error:  # noqa: BLE001 - kept, and retried with the next flush
+            self._trouble("updating session counters", error)
             return
         self._known_sessions.update(counts)
         self._session_counts = {}
@@ -332,12 +431,14 @@ class Store:
             con.execute(f"CREATE TABLE {journal_table(number)} ({', '.join(f'{n} {t}' for n, t in JOURNAL_COLUMNS.items())})")
             write_view(con, self.path, self._segments, journals)
         self._next_number += 1
-        full, self._journals, self._journal_rows = self._journals, journals, 0
+        full, self._journals, self._journal_rows, self._journal_bytes = self._journals, journals, 0, 0
         return full[-1] if full else None
 
     def _install_segment(self, con: duckdb.DuckDBPyConnection, number: int, file: str | None, rows: int) -> None:
         """Swap journal `number` for its segment `file` (None: the journal was empty) in one transaction: the rows
         are never in both or in neither."""
+        if number not in self._journals[:-1] or (file is not None and not (self.segments_dir / file).exists()):
+            raise RuntimeError(f"{journal_table(number)} is no longer a full journal, or its segment {file} is gone (the store was reopened)")
         segments = self._segments + ([file] if file is not None else [])
         journals = [j for j in self._journals if j != number]
         with transaction(con):
@@ -350,32 +451,6 @@ class Store:
     def _compact(self, con: duckdb.DuckDBPyConnection, number: int) -> None:
         """Journal to segment, all in the calling thread (start-up and close, when nothing else writes)."""
         self._install_segment(con, number, *write_segment(con, number, self.segments_dir))
-
-    def _compact_loop(self) -> None:
-        # compaction yields to the proxy: DuckDB runs it on this thread alone (threads=1, set at open), niced
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-        except (AttributeError, OSError):
-            pass
-        con = self.con.cursor()
-        while True:
-            number = self._compactions.get()
-            if number is None:
-                return
-            started = time.perf_counter()
-            try:
-                file, rows = write_segment(con, number, self.segments_dir)
-                written = time.perf_counter()
-                self._call_writer(_Pending(step=lambda writer, number=number, file=file, rows=rows: self._install_segment(writer, number, file, rows)))
-            except Exception:  # noqa: BLE001 - the journal stays (and stays in the view); compacted again at the next open
-                log.exception(f"polar-mitm: could not compact {journal_table(number)}")
-                continue
-            installed = time.perf_counter()
-            checkpointed = checkpoint_soon(con)
-            log.info(
-                f"polar-mitm: segment {number:06d}: {rows} exchanges written in {1000 * (written - started):.0f} ms, installed in "
-                f"{1000 * (installed - written):.0f} ms, {'checkpoint' if checkpointed else 'no checkpoint'} in {1000 * (time.perf_counter() - installed):.0f} ms"
-            )
 
     # -- reads (any thread)
     def query(self, sql: str, params: list[Any] | None = None) -> tuple[list[str], list[tuple[Any, ...]]]:
@@ -421,35 +496,3 @@ class Store:
         except Exception:  # noqa: BLE001 - the journals stay; the next open compacts them
             log.exception("polar-mitm: could not compact the journal at close")
         self.con.close()
-
-
-
-def _count_sessions(counts: dict[str, dict[str, Any]], rows: list[Mapping[str, Any]]) -> None:
-    for row in rows:
-        stamp = row.get("ended_at") or now()
-        entry = counts.get(row["session_id"])
-        if entry is None:
-            counts[row["session_id"]] = {"created_at": row.get("started_at") or stamp, "last_seen_at": stamp, "n_exchanges": 1, "harness": row.get("harness")}
-        else:
-            entry["last_seen_at"] = stamp
-            entry["n_exchanges"] += 1
-            entry["harness"] = entry["harness"] or row.get("harness")
-
-
-def _update_sessions(con: duckdb.DuckDBPyConnection, counts: dict[str, dict[str, Any]], known: set[str]) -> None:
-    """Add counts to the sessions that exist (e.g. recorded by the rollout server), then insert the new ones."""
-    new = not known.issuperset(counts)
-    if len(counts) == 1:
-        ((session_id, entry),) = counts.items()
-        con.execute(_UPDATE_SESSION, [entry["last_seen_at"], entry["n_exchanges"], entry["harness"], session_id])
-        if not new:
-            return
-    polar_pending_sessions = pa.table(  # noqa: F841 - read by DuckDB
-        {"session_id": list(counts), **{key: [entry[key] for entry in counts.values()] for key in ("created_at", "last_seen_at", "n_exchanges", "harness")}},
-        schema=SESSION_ARROW_SCHEMA,
-    )
-    if len(counts) > 1:
-        con.execute(_UPDATE_SESSIONS)
-    if new:
-        con.execute(_INSERT_SESSIONS)
-

@@ -3,6 +3,7 @@
 #
 #   sandboxes/docker/dockerd.sh            # prints DOCKER_HOST=unix://... on its last line
 #   export "$(sandboxes/docker/dockerd.sh | tail -1)"
+#   sandboxes/docker/dockerd.sh stop       # ends the engine this script started (its images stay for the next start)
 #
 # Installs docker.io with apt when `dockerd` is missing (root only). The engine is started with no iptables
 # and no bridge (`--iptables=false --bridge=none`): it needs no network setup, and containers run either with
@@ -17,6 +18,22 @@ host="unix://$sock"
 mkdir -p "$root/data" "$root/exec"
 
 answers() { DOCKER_HOST="$host" timeout 5 docker version --format '{{.Server.Version}}' >/dev/null 2>&1; }
+
+if [[ "${1:-}" == stop ]]; then
+  pid="$(cat "$root/dockerd.pid" 2>/dev/null || true)"
+  if [[ -z "$pid" ]] || ! kill -0 "$pid" 2>/dev/null; then
+    echo "dockerd.sh: no dockerd of ours is running"
+    exit 0
+  fi
+  kill "$pid"
+  for _ in $(seq 1 150); do
+    kill -0 "$pid" 2>/dev/null || { echo "dockerd.sh: stopped dockerd (pid $pid)"; exit 0; }
+    sleep 0.2
+  done
+  kill -9 "$pid" 2>/dev/null || true
+  echo "dockerd.sh: dockerd (pid $pid) did not stop within 30 s; killed it"
+  exit 0
+fi
 
 if answers; then
   echo "DOCKER_HOST=$host"
@@ -44,6 +61,7 @@ nohup dockerd --storage-driver="$driver" --iptables=false --ip6tables=false --br
 
 for _ in $(seq 1 100); do
   if answers; then
+    echo "dockerd.sh: started dockerd (pid $(cat "$root/dockerd.pid")); \`sandboxes/docker/dockerd.sh stop\` ends it" >&2
     echo "DOCKER_HOST=$host"
     exit 0
   fi

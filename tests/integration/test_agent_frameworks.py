@@ -37,6 +37,7 @@ from polar_mitm.store import JSON_COLUMNS
 from polar_mitm.util import free_port, load_function
 from tests.support.gatewayproc import Gateway
 from tests.support.harness_runs import REPO, STRIPPED, check_assembly
+from tests.support.matrix import harness_matrix
 
 EXAMPLES = REPO / "examples" / "agents"
 INSTALL = REPO / "sandboxes" / "agents-frameworks" / "install.sh"
@@ -163,7 +164,10 @@ def test_agent_through_polar_mitm_run(frameworks_installed, steered_gateway: Gat
     assert outcome["reward"] == 1.0, outcome
 
 
-@pytest.mark.parametrize("name", list(AGENTS))
+# default suite: one agent end to end through `rollout run` (each task.yaml is parsed as a TaskRequest and its
+# evaluator run by test_evaluators_are_strict, each agent run by test_agent_through_polar_mitm_run);
+# all in the full matrix
+@pytest.mark.parametrize("name", harness_matrix(list(AGENTS), default=("smolagents-planner",)))
 def test_agent_through_the_rollout_server(frameworks_installed, engine_url: str, name: str, tmp_path: Path) -> None:
     """`polar-mitm rollout run examples/agents/<agent>/task.yaml`, one sample: its evaluator's reward, its Parquet."""
     task = yaml.safe_load((EXAMPLES / AGENTS[name].example / "task.yaml").read_text())

@@ -26,6 +26,7 @@ from polar_mitm.errors import ControlError
 from tests.support.gatewayproc import Gateway
 from tests.support.harness_runs import HOOK, check_run, run_harness
 from tests.support.keepalive_cases import BASELINE_MARKS, CASES, KEEPALIVE_MARK
+from tests.support.matrix import harness_matrix
 from tests.support.upstream_standins import DelayedEngineRelay
 
 # the random-weight test model rarely samples EOS: a call runs to max_tokens, long enough to be caught mid-turn
@@ -386,7 +387,9 @@ def test_drain_with_four_real_harnesses_mid_turn(installed, make_gateway, engine
 
 
 @pytest.mark.harness
-@pytest.mark.parametrize("name", ["qwen", "codex", "claude", "gemini"])
+# default suite: Claude Code (Anthropic pings) and Gemini CLI (the default suite's Gemini keepalive check);
+# all four in the full matrix
+@pytest.mark.parametrize("name", harness_matrix(["qwen", "codex", "claude", "gemini"], default=("claude", "gemini")))
 def test_abort_reissues_a_real_harness_call(installed, name, make_gateway, engine_url, session_id, tmp_path, monkeypatch):
     harness_env(monkeypatch, [name])
     relay = DelayedEngineRelay(engine_url, 8.0)

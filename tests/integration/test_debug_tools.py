@@ -265,7 +265,7 @@ def test_sql_views_while_the_gateway_runs(gateway, session_id: str) -> None:
 
     listed = sql(gateway.db, "--list")
     assert listed.returncode == 0, listed.stderr
-    for name in ("session_timeline", "token_usage", "harness_prompt_sizes", "breaks", "breaks_by_class", "reward_by_harness_task", "errors"):
+    for name in ("session_timeline", "token_usage", "harness_prompt_sizes", "breaks", "breaks_by_class", "reward_by_harness_task", "rollout_stats", "errors"):
         assert re.search(rf"^{name}\n    \S", listed.stdout, re.M), listed.stdout
     rows = gateway.exchanges(session_id)
     timeline = sql(gateway.db, "--json", f"SELECT * FROM session_timeline WHERE session_id = '{session_id}'")

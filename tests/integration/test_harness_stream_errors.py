@@ -22,6 +22,7 @@ from polar_mitm.assembler import assemble
 from polar_mitm.local_engine.steering import has_tool_result, shell_tool
 from tests.support import harness_steering as steering
 from tests.support.harness_runs import HOOK, check_assembly, check_run, run_harness
+from tests.support.matrix import harness_matrix
 from tests.support.upstream_standins import DelayedEngineRelay
 
 FAIL_AFTER_S = 2.0
@@ -50,7 +51,9 @@ CASES = {
 
 
 @pytest.mark.harness
-@pytest.mark.parametrize("name", list(CASES))
+# default suite: Codex (Responses, reconnects) and Claude Code (Anthropic, retries the request, not the stream);
+# all four in the full matrix
+@pytest.mark.parametrize("name", harness_matrix(list(CASES), default=("codex", "claude")))
 def test_a_harness_retries_a_turn_after_an_error_inside_the_stream(installed, name, make_gateway, engine_url, session_id, tmp_path):
     case = CASES[name]
     relays = {"clean": DelayedEngineRelay(engine_url, 0.0, slowed=lambda request: False), "failed": DelayedEngineRelay(engine_url, FAIL_AFTER_S, failing=_first_agent_turn)}

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from polar_mitm import harnesses, store
+from polar_mitm.local_engine import LocalEngine
 from polar_mitm.rollout.runtimes.local import marked_processes
 from polar_mitm.util import free_port
 from tests.support.processes import stop_process_group
@@ -96,7 +99,12 @@ def check_completed_task(server: RolloutServer, rx: Receiver, accepted: dict[str
         assert starts == sorted(starts)
         # two model exchanges (tool call, final text), committed and assembled
         assert session["n_exchanges"] == 2
-        assert session["trajectory"]["exchanges"] == 2 and session["trajectory"]["sequences"] >= 1
+        trajectory = session["trajectory"]
+        assert trajectory["exchanges"] == 2 and trajectory["sequences"] >= 1
+        # what a trainer checks before training on it: chat mode (nothing bridged, no tokens-mode parse), version 0
+        assert (trajectory["tool_call_parse_failures"], trajectory["tokens_mode_exchanges"], trajectory["bridged_fraction"]) == (0, 0, None)
+        assert trajectory["policy_version"] == 0 and trajectory["staleness"] == [0] * trajectory["sequences"]
+        assert trajectory["sequence_policy_versions"] == [[0, 0]] * trajectory["sequences"]
         assert session["metadata"] == {"group": task_id, "policy_version": 7}
         row = store_rows[session_id]
         assert (row["status"], row["reward"], row["n_exchanges"], row["harness"]) == ("completed", session["reward"], 2, "qwen")
@@ -248,8 +256,10 @@ def test_cancel_a_session_and_a_task_mid_run(server: RolloutServer, engine_url: 
 
 
 @pytest.fixture(scope="module")
-def docker_engine() -> str:
-    """A real Docker engine and the sandbox image, made by the scripts users run; a skip says why not."""
+def docker_engine() -> Iterator[str]:
+    """A real Docker engine and the sandbox image, made by the scripts users run; a skip says why not. A dockerd
+    this fixture started is stopped at the end of the module (one already running is reused and left running)."""
+    started_here = False
     if not os.environ.get("DOCKER_HOST"):
         try:
             started = subprocess.run([str(REPO / "sandboxes" / "docker" / "dockerd.sh")], capture_output=True, text=True, timeout=300)
@@ -259,11 +269,17 @@ def docker_engine() -> str:
             pytest.skip(f"dockerd cannot start here (sandboxes/docker/dockerd.sh exit {started.returncode}): {started.stderr.strip()[-1500:]}")
         host = started.stdout.strip().splitlines()[-1].partition("=")[2]
         assert host == f"unix://{docker_socket()}"
+        started_here = "dockerd.sh: started dockerd" in started.stderr
     env = {**os.environ, "DOCKER_HOST": os.environ.get("DOCKER_HOST") or f"unix://{docker_socket()}"}
     built = subprocess.run([str(REPO / "sandboxes" / "docker" / "build-image.sh")], capture_output=True, text=True, timeout=900, env=env)
     if built.returncode != 0:
+        if started_here:
+            subprocess.run([str(REPO / "sandboxes" / "docker" / "dockerd.sh"), "stop"], capture_output=True, timeout=60)
         pytest.skip(f"the sandbox image cannot be built here (sandboxes/docker/build-image.sh exit {built.returncode}): {built.stderr.strip()[-1500:]}")
-    return env["DOCKER_HOST"]
+    yield env["DOCKER_HOST"]
+    if started_here:
+        stopped = subprocess.run([str(REPO / "sandboxes" / "docker" / "dockerd.sh"), "stop"], capture_output=True, text=True, timeout=60)
+        assert stopped.returncode == 0 and "stopped dockerd" in stopped.stdout, stopped.stdout + stopped.stderr
 
 
 @pytest.mark.docker
@@ -291,6 +307,94 @@ def test_docker_task_three_samples(server: RolloutServer, engine_url: str, recei
         engine.close()
 
 
+@pytest.mark.docker
+def test_a_dockerd_restart_mid_session_fails_it_cleanly_and_the_next_runs(server: RolloutServer, engine_url: str, receiver, docker_engine: str) -> None:
+    """dockerd stopped (its containers with it: no live-restore) while a session's harness runs, then started again:
+    that session fails once, saying so, its container is removed; the next task's session completes."""
+    import docker
+
+    if docker_engine != f"unix://{docker_socket()}":
+        pytest.skip(f"DOCKER_HOST={docker_engine} is not the engine sandboxes/docker/dockerd.sh restarts")
+    dockerd = str(REPO / "sandboxes" / "docker" / "dockerd.sh")
+    rx = receiver()
+    task = coding_task("docker-restart", engine_url, "docker", 1)
+    task.update(instruction=f"Wait.\nSTEER-COMMAND: {BLOCK}", timeout_seconds=300, callback_url=rx.url)
+    accepted = server.submit(task)
+    (session_id,) = accepted["session_ids"]
+    deadline = time.monotonic() + 120
+    while not server.rows("SELECT 1 FROM exchanges WHERE session_id = ?", [session_id]):  # turn 1 done: its tool blocks
+        assert time.monotonic() < deadline and server.task(accepted["task_id"])["status"] == "running", server.task(accepted["task_id"])
+        time.sleep(0.5)
+    assert server.client.get(f"/sessions/{session_id}").json()["status"] == "running"
+    stopped = subprocess.run([dockerd, "stop"], capture_output=True, text=True, timeout=60)
+    try:
+        assert "stopped dockerd" in stopped.stdout, stopped.stdout + stopped.stderr
+        # the engine stays away until the session has noticed (it must not wait for it to come back to do so), and
+        # a few seconds more: its sandbox's removal meets no engine
+        deadline = time.monotonic() + 30
+        while server.client.get(f"/sessions/{session_id}").json()["status"] == "running" and time.monotonic() < deadline:
+            time.sleep(0.5)
+        noticed = server.client.get(f"/sessions/{session_id}").json()["status"]
+        time.sleep(5)
+    finally:
+        started = subprocess.run([dockerd], capture_output=True, text=True, timeout=120)
+    assert started.returncode == 0, started.stderr
+    assert noticed != "running", "the session did not notice within 30 s that its Docker engine stopped"
+    result = server.wait(accepted["task_id"], timeout=90)
+    (session,) = result["sessions"]
+    assert session["status"] == "failed" and result["counts"] == {"failed": 1}, json.dumps(session)[:3000]
+    assert "Docker engine" in session["error"] and "container" in session["error"], session["error"]
+    assert server.rows("SELECT status, error FROM sessions WHERE session_id = ?", [session_id]) == [{"status": "failed", "error": session["error"]}]
+    rx.wait_for_task_result()
+    assert [(r["session_id"], r["status"]) for r in rx.results("session_result")] == [(session_id, "failed")]
+    assert sum(a["kind"] == "session_result" for a in rx.attempts) == 1  # delivered once: the session ended once
+    engine = docker.DockerClient(base_url=docker_engine)
+    try:
+        assert engine.containers.list(all=True, filters={"label": f"polar-mitm.session={session_id}"}) == []
+        # the same server, its engine back: the next task's session runs in a new container and completes
+        after = server.submit(coding_task("docker-after-restart", engine_url, "docker", 1))
+        (next_session,) = server.wait(after["task_id"], timeout=180)["sessions"]
+        assert next_session["status"] == "completed", f"{next_session['error']}\n{next_session['harness_output'][-2000:]}"
+        assert next_session["evaluation"]["details"]["content"] == next_session["session_id"] and next_session["n_exchanges"] == 2
+        assert engine.containers.list(all=True, filters={"label": f"polar-mitm.session={next_session['session_id']}"}) == []
+    finally:
+        engine.close()
+
+
+@pytest.mark.docker
+def test_a_container_whose_engine_stays_away_is_removed_when_it_answers_again(docker_engine: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sandbox's removal waits (here 1 s) for a stopped dockerd, says it could not remove the container, and the
+    next sandbox's start removes it once the engine is back."""
+    from polar_mitm.errors import DockerUnavailable
+    from polar_mitm.rollout.models import DEFAULT_IMAGE
+    from polar_mitm.rollout.runtimes import docker as docker_runtime
+
+    if docker_engine != f"unix://{docker_socket()}":
+        pytest.skip(f"DOCKER_HOST={docker_engine} is not the engine sandboxes/docker/dockerd.sh restarts")
+    monkeypatch.setenv("DOCKER_HOST", docker_engine)
+    monkeypatch.setattr(docker_runtime, "_client", None)
+    monkeypatch.setattr(docker_runtime, "REMOVE_WAIT", 1.0)
+    dockerd = str(REPO / "sandboxes" / "docker" / "dockerd.sh")
+    container = docker_runtime.client().containers.run(DEFAULT_IMAGE, ["sleep", "infinity"], detach=True, init=True, network_mode="none", labels={"polar-mitm.session": "engine-away"})
+    try:
+        subprocess.run([dockerd, "stop"], capture_output=True, text=True, timeout=60, check=True)
+        try:
+            with pytest.raises(DockerUnavailable, match=f"container {container.id[:12]} is not removed: the Docker engine did not answer for 1s"):
+                docker_runtime._remove_container(container.id)
+            assert container.id in docker_runtime._unremoved
+            docker_runtime._sweep()  # no engine: kept for the next sweep, nothing raised
+            assert container.id in docker_runtime._unremoved
+        finally:
+            subprocess.run([dockerd], capture_output=True, text=True, timeout=120, check=True)
+        docker_runtime._sweep()
+        assert docker_runtime._unremoved == set()
+        assert docker_runtime.client().containers.list(all=True, filters={"id": container.id}) == []
+    finally:
+        docker_runtime._unremoved.discard(container.id)
+        if docker_runtime.client().containers.list(all=True, filters={"id": container.id}):
+            container.remove(force=True)
+
+
 def test_rollout_run_cli_leaves_a_store(engine_url: str, harness_installed: None, tmp_path: Path) -> None:
     """The README's main job, one sample: `polar-mitm rollout run examples/hello-task.yaml`."""
     import yaml
@@ -300,10 +404,16 @@ def test_rollout_run_cli_leaves_a_store(engine_url: str, harness_installed: None
     task_file = tmp_path / "hello.yaml"
     task_file.write_text(yaml.safe_dump(task))
     db = tmp_path / "store.duckdb"
-    command = [sys.executable, "-m", "polar_mitm.cli", "rollout", "run", str(task_file), "--upstream", engine_url, "--db", str(db), "--confdir", str(tmp_path / "confdir"), "--engine-hook", HOOK]
+    # as the README runs it: no --upstream, the local engine reused (the one the suite runs on, when it is that one)
+    local = engine_url == LocalEngine().base_url
+    upstream = [] if local else ["--upstream", engine_url]
+    command = [sys.executable, "-m", "polar_mitm.cli", "rollout", "run", str(task_file), *upstream, "--db", str(db), "--confdir", str(tmp_path / "confdir"), "--engine-hook", HOOK]
     done = subprocess.run(command, capture_output=True, text=True, timeout=TASK_WAIT, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "1/1 sessions done" in done.stderr
+    if local:  # the engine it leaves up on purpose is named on exit, with its memory and how to stop it
+        [note] = [line for line in done.stderr.splitlines() if "the local engine is still running" in line]
+        assert re.search(r"at http://127\.0\.0\.1:8011/v1 \(pid \d+; \d+ process(es)?, \d+\.\d GiB resident\); `polar-mitm engine stop` ends it$", note), note
     header, row = done.stdout.splitlines()[:2]
     assert header.split()[:3] == ["session", "status", "reward"] and row.split()[1:3] == ["completed", "1"]
     assert store.query_dicts(db, "SELECT status, reward FROM sessions WHERE task_id = 'hello'") == [{"status": "completed", "reward": 1.0}]

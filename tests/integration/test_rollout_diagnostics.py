@@ -71,7 +71,7 @@ def test_an_engine_that_is_down_shows_in_health_in_the_session_error_and_on_the_
             assert health["status"] == "degraded" and health["engine_reachable"] is False, health
             assert health["engines"][0]["url"] == dead and health["engines"][0]["reachable"] is False
 
-            task = {"task_id": "engine-down", "instruction": "Say hello.", "timeout_seconds": 40, "agent": {"harness": "qwen"}, "callback_url": callback}
+            task = {"task_id": "engine-down", "instruction": "Say hello.", "timeout_seconds": 20, "agent": {"harness": "qwen"}, "callback_url": callback}
             assert client.post("/tasks", json=task).status_code == 202
             deadline = time.monotonic() + 240
             while (result := client.get("/tasks/engine-down").json())["status"] == "running":

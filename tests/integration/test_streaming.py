@@ -26,6 +26,7 @@ from google.genai import types as genai_types
 
 from polar_mitm.store import JSON_COLUMNS
 from tests.support.gatewayproc import Gateway, proxy_env
+from tests.support.matrix import full_matrix
 from tests.support.upstream_standins import SLOW_ARGUMENTS, SLOW_TEXT, SlowStandinEngine
 
 SLOW = 30.0  # seconds the stand-in engine takes (the issue's 30 s)
@@ -267,6 +268,7 @@ def test_engine_failure_inside_the_stream_raises_in_each_sdk(gateways: dict[str,
     assert failing["anthropic_messages"][1].error.body["error"]["type"] == "api_error"
 
 
+@full_matrix  # waits out Gemini CLI's own 60 s; the deadline itself: tests/unit/gateway/test_unstreamed_deadline.py
 def test_a_non_streamed_call_is_answered_before_its_harness_gives_up(make_gateway, session_id: str) -> None:
     """A non-streamed call cannot be kept alive. Gemini CLI's router call is one, and its HTTP client waits 60 s for
     headers: the gateway gives the engine until 5 s before that and answers a Google-shaped 504, recorded as

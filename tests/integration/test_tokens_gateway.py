@@ -20,40 +20,23 @@ import pytest
 from google import genai
 from google.genai import types
 
+from polar_mitm import store
 from polar_mitm.assembler import assemble
 from polar_mitm.debug import diff as diff_cli
-from polar_mitm.store import JSON_COLUMNS
 from polar_mitm.util import free_port
 from tests.support import harness_steering, tokens_steering
 from tests.support.gatewayproc import Gateway, proxy_env
-
-HOOKS = {name: f"{Path(module.__file__).resolve()}:{name}" for module, name in ((harness_steering, "steer"), (tokens_steering, "think"), (tokens_steering, "broken_call"), (tokens_steering, "coder_xml"))}
-TOOL_OUTPUT = "written"
-FOLLOW_UP = "Thanks. Is the file there?"
-SHELL_SCHEMA = {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}
-SYSTEM = "You are a coding agent. Use the shell tool."
-INSTRUCTION = "Create the proof file."
-
-
-def chat_session(gateway: Gateway, session_id: str) -> None:
-    with proxy_env(gateway, session_id):
-        client = openai.OpenAI(api_key="sk-tokens", max_retries=0)
-    tools = [{"type": "function", "function": {"name": "run_shell_command", "description": "Run a shell command.", "parameters": SHELL_SCHEMA}}]
-    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": INSTRUCTION}]
-    for _ in range(3):
-        stream = client.chat.completions.create(model="qwen3-coder-plus", messages=messages, tools=tools, stream=True, max_tokens=512)
-        content, calls = "", {}
-        for chunk in stream:
-            delta = chunk.choices[0].delta
-            content += delta.content or ""
-            for call in delta.tool_calls or []:
-                entry = calls.setdefault(call.index, {"id": call.id, "type": "function", "function": {"name": "", "arguments": ""}})
-                entry["function"]["name"] += call.function.name or ""
-                entry["function"]["arguments"] += call.function.arguments or ""
-        messages.append({"role": "assistant", "content": content or None, **({"tool_calls": list(calls.values())} if calls else {})})
-        messages += [{"role": "tool", "tool_call_id": call["id"], "content": TOOL_OUTPUT} for call in calls.values()]
-        if not calls:
-            messages.append({"role": "user", "content": FOLLOW_UP})
+from tests.support.tokens_sessions import (
+    FOLLOW_UP,
+    HOOKS,
+    INSTRUCTION,
+    SHELL_SCHEMA,
+    SYSTEM,
+    TOOL_OUTPUT,
+    assert_one_sequence_per_session,
+    chat_session,
+    rows_of,
+)
 
 
 def responses_session(gateway: Gateway, session_id: str) -> None:
@@ -110,20 +93,6 @@ def gemini_session(gateway: Gateway, session_id: str) -> None:
 SESSIONS = {"openai_chat": chat_session, "openai_responses": responses_session, "anthropic_messages": anthropic_session, "gemini": gemini_session}
 
 
-def rows_of(gateway: Gateway, session_id: str) -> list[dict[str, Any]]:
-    return [{k: json.loads(v) if k in JSON_COLUMNS and isinstance(v, str) else v for k, v in row.items()} for row in gateway.exchanges(session_id)]
-
-
-def assert_one_sequence_per_session(gateway: Gateway, session_id: str, rows: list[dict[str, Any]]) -> None:
-    by_id = {row["exchange_id"]: row for row in rows}
-    [sequence] = assemble(gateway.db, builder="prefix_merging", session=session_id).sequences
-    assert sequence.exchange_ids == [row["exchange_id"] for row in rows]
-    sampled = [token for token, mask in zip(sequence.input_ids, sequence.loss_mask, strict=True) if mask]
-    assert sampled == [token for row in rows for token in row["completion_token_ids"]]
-    assert [lp for lp, mask in zip(sequence.rollout_logprobs, sequence.loss_mask, strict=True) if mask] == [lp for row in rows for lp in row["completion_logprobs"]]
-    assert sequence.input_ids[: sequence.prompt_len] == by_id[sequence.exchange_ids[0]]["prompt_token_ids"]
-
-
 def sequence_count(gateway: Gateway, session_id: str) -> int:
     return len(assemble(gateway.db, builder="prefix_merging", session=session_id).sequences)
 
@@ -165,6 +134,33 @@ def test_every_dialect_bridges_every_turn_into_one_sequence(gateways, api: str, 
     chat_rows = rows_of(chat, session_id)
     assert [r["render_mode"] for r in chat_rows] == ["chat"] * 3 and all(r["bridged"] is None for r in chat_rows)
     assert sequence_count(chat, session_id) == 3
+
+
+@pytest.mark.engine
+def test_a_lineage_survives_a_gateway_restart(tmp_path: Path, engine_url: str, session_id: str) -> None:
+    """Issue 29: lineages live in memory, so a restarted gateway made every session's next turn `no_lineage`, a
+    full render that breaks the sequence. Now the next turn is matched against the store's rows (`bridge_key`)."""
+
+    def gateway() -> Gateway:
+        return Gateway(port=free_port(), db=tmp_path / "store.duckdb", confdir=tmp_path / "confdir", upstream=engine_url, args=["--render", "tokens", "--engine-hook", HOOKS["steer"]]).start()
+
+    first = gateway()
+    try:
+        messages = chat_session(first, session_id, turns=1)  # the tool call, then the gateway goes
+    finally:
+        first.stop()
+    second = gateway()  # a new process on the same store: nothing of the session in memory
+    try:
+        chat_session(second, session_id, messages, turns=2)
+        rows = rows_of(second, session_id)
+        summary = [(r["seq"], r["status"], r["finish_reason"], r["bridged"], r["bridge_reason"], r["error"]) for r in rows]
+        assert [(r["bridged"], r["bridge_reason"]) for r in rows] == [(False, "first_turn"), (True, None), (True, None)], summary
+        assert len({r["bridge_key"] for r in rows}) == 3 and all(r["bridge_key"] for r in rows), summary
+        assert_one_sequence_per_session(second, session_id, rows)
+        [stats] = store.query_dicts(second.db, "SELECT * FROM rollout_stats WHERE session_id = ?", [session_id])
+        assert (stats["exchanges"], stats["tokens_mode_exchanges"], stats["bridged_fraction"], stats["tool_call_parse_failures"]) == (3, 3, 1.0, 0), stats
+    finally:
+        second.stop()
 
 
 @pytest.mark.engine
@@ -241,6 +237,8 @@ def test_a_tool_call_that_does_not_parse_is_returned_as_text_and_flagged(make_ga
     assert message.stop_reason == "end_turn"
     [row] = rows_of(gateway, session_id)
     assert row["status"] == "ok" and "hermes tool call not parsed: not JSON" in row["output_parse_error"]
+    [stats] = store.query_dicts(gateway.db, "SELECT * FROM rollout_stats WHERE session_id = ?", [session_id])
+    assert (stats["tool_call_parse_failures"], stats["tokens_mode_exchanges"], stats["bridged_fraction"]) == (1, 1, None), stats
 
 
 @pytest.mark.engine

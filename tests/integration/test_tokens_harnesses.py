@@ -20,6 +20,7 @@ from polar_mitm.store import JSON_COLUMNS
 from tests.support import harness_steering as steering
 from tests.support import tokens_steering
 from tests.support.harness_runs import check_assembly, run_harness
+from tests.support.matrix import harness_matrix
 
 HOOK = f"{Path(tokens_steering.__file__).resolve()}:two_calls"
 
@@ -59,6 +60,8 @@ def check_tokens_mode(name: str, results: dict[str, tuple[list[dict], int]]) -> 
 
 
 @pytest.mark.harness
-@pytest.mark.parametrize("name", ["qwen", "codex", "claude", "gemini"])
+# default suite: Claude Code and Gemini CLI (two dialects; Gemini's side call is a second lineage);
+# all four in the full matrix
+@pytest.mark.parametrize("name", harness_matrix(["qwen", "codex", "claude", "gemini"], default=("claude", "gemini")))
 def test_harness_lineages_are_one_sequence_in_tokens_mode(installed, make_gateway, name: str, session_id: str, tmp_path) -> None:
     check_tokens_mode(name, run_in_both_modes(make_gateway, name, session_id, tmp_path))

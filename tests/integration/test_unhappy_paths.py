@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from polar_mitm import store
+from polar_mitm.client import GatewayControl
 from polar_mitm.util import free_port
 from tests.support.gatewayproc import Gateway
 
@@ -92,24 +93,30 @@ def test_a_call_the_client_abandons_is_aborted_on_the_engine_and_recorded_client
     log = engine_log(engine_url)
     log_start = log.stat().st_size if log is not None else 0  # the engine serves the whole suite: only this test's lines
     started = time.monotonic()
-    # the tiny model has random weights: it generates until max_tokens (1000: ~9 s on this machine, idle). The
-    # client is killed 1 s into the generation (what the engine reports running), long before the reply. Not
-    # curl's own --max-time: measured here under load, it let curl run 5-10 s (once past the whole generation).
-    client = curl_chat(gw, session_id, {**LONG_CHAT, "max_tokens": 1000, "stream": stream}, max_time=60)
+    # 2000 tokens (~18 s on this machine idle, ~12 s on CI's), surely: the client asks vLLM to ignore EOS (a
+    # random-weight model usually runs to max_tokens, not always). The client is killed 1 s after the gateway says
+    # its engine call is in flight, long before the reply. The gateway's own count, not the engine's
+    # num_requests_running metric: that counts every caller's requests, and CI once took over 5 s to see it while
+    # the whole 1000-token generation ran out. Not curl's own --max-time: measured here under load, it let curl run
+    # 5-10 s (once past the whole generation).
+    control = GatewayControl(gw.proxy_url())
+    client = curl_chat(gw, session_id, {**LONG_CHAT, "max_tokens": 2000, "ignore_eos": True, "stream": stream}, max_time=90)
     ports: set[int] = set()
-    # this gateway's own engine connection, and the engine generating (the metric alone counts every caller's requests)
-    while not (engine_connections(gw.process.pid, engine_url) and engine_metric(engine_url, "vllm:num_requests_running")):
-        assert client.poll() is None and time.monotonic() - started < 30, "the call never reached the engine"
-        time.sleep(0.1)
-    generating = time.monotonic()
-    while time.monotonic() - generating < 1:
+    while not control.status()["in_flight"]:
+        if client.poll() is not None:
+            reply, errors = client.communicate()
+            raise AssertionError(f"the client finished before its call was seen on the engine (exit {client.returncode}, {time.monotonic() - started:.1f}s): {errors!r} {reply[-2000:]!r}; rows {[(r['status'], r['error']) for r in gw.exchanges(session_id)]}; gateway log tail {gw.log.read_text()[-3000:]!r}")
+        assert time.monotonic() - started < 30, "the call never reached the engine"
+        time.sleep(0.05)
+    in_flight_at = time.monotonic()
+    while time.monotonic() - in_flight_at < 1:
         ports |= engine_connections(gw.process.pid, engine_url)
         time.sleep(0.1)
     client.kill()
     killed_at = datetime.now(UTC)
     if client.wait() != -signal.SIGKILL:  # it should still have been waiting for its reply: say what it got instead
         reply, errors = client.communicate()
-        raise AssertionError(f"the client finished before it was killed (exit {client.returncode}): {errors!r} {reply[-2000:]!r}; rows {[(r['status'], r['error']) for r in gw.exchanges(session_id)]}; gateway log tail {gw.log.read_text()[-3000:]!r}")
+        raise AssertionError(f"the client finished before it was killed (exit {client.returncode}, {time.monotonic() - in_flight_at:.1f}s after the call was in flight): {errors!r} {reply[-2000:]!r}; rows {[(r['status'], r['error']) for r in gw.exchanges(session_id)]}; gateway log tail {gw.log.read_text()[-3000:]!r}")
     assert ports, "the gateway never called the engine"
     [row] = wait_for_rows(gw, session_id, timeout=15)
     assert row["status"] == "client_disconnected", row["error"]
@@ -118,14 +125,15 @@ def test_a_call_the_client_abandons_is_aborted_on_the_engine_and_recorded_client
     assert (_time(row["engine_ended_at"]) - killed_at).total_seconds() < 5
     # a streamed reply's status line went out before the client left (first byte at once): the row says what was sent
     assert row["http_status"] == (200 if stream else 499) and "closed" in row["error"]
-    assert row["completion_token_ids"] is None and json.loads(row["engine_request"])["max_tokens"] == 1000
+    assert row["completion_token_ids"] is None and json.loads(row["engine_request"])["max_tokens"] == 2000 and json.loads(row["engine_request"])["ignore_eos"] is True
     # the gateway closed its engine connection: vLLM aborts a request whose connection closed
     assert not ports & engine_connections(gw.process.pid, engine_url)
     if log is not None:
         # the engine's request log: a request it finished has an access line from the gateway's port; an aborted
-        # one never gets one (a full generation would have ended by now)
-        while time.monotonic() - started < 25:
-            time.sleep(1)
+        # one never gets one. Read once the engine has been seen idle (so our request is no longer running), or
+        # 45 s after the start, when 2000 tokens would have ended even at CI's slowest measured rate (~110/s)
+        while time.monotonic() - started < 45 and engine_metric(engine_url, "vllm:num_requests_running"):
+            time.sleep(0.5)
         with log.open("rb") as handle:
             handle.seek(log_start)
             written = handle.read().decode(errors="replace")

@@ -112,7 +112,9 @@ def check_run(
     for row in rows:
         engine = row["engine_response"]
         assert row["completion_token_ids"] == engine["choices"][0]["token_ids"]
-        assert row["prompt_token_ids"] == engine["prompt_token_ids"]
+        # where the engine echoes the prompt: beside the choices in chat mode, in the choice token-in (tokens mode)
+        echoed = engine["prompt_token_ids"] if row["render_mode"] == "chat" else engine["choices"][0]["prompt_token_ids"]
+        assert row["prompt_token_ids"] == echoed
         assert len(row["completion_logprobs"]) == len(row["completion_token_ids"]) > 0
         assert row["engine_request"]["structured_outputs"]["regex"]  # the steering is on the record
 

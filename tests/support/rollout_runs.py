@@ -8,7 +8,7 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from email.message import Message
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from polar_mitm import store
+from tests.support.callback_endpoint import CallbackEndpoint
 
 REPO = Path(__file__).resolve().parents[2]
 HOOK = f"{REPO / 'examples' / 'steer_tiny_model.py'}:steer"
@@ -61,8 +62,8 @@ class RolloutServer:
         return self.log.read_text(errors="replace")[-3000:]
 
 
-class Receiver:
-    """A real HTTP callback endpoint. It counts a result once per delivery id (as a trainer should), and can
+class Receiver(CallbackEndpoint):
+    """A trainer's callback endpoint. It counts a result once per delivery id (as a trainer should), and can
     answer the first attempts of chosen deliveries with errors (`fail_first[kind] = n`)."""
 
     def __init__(self, fail_first: dict[str, int] | None = None):
@@ -70,28 +71,17 @@ class Receiver:
         self.attempts: list[dict[str, Any]] = []
         self.counted: dict[str, dict[str, Any]] = {}
         self.lock = threading.Lock()
-        receiver = self
+        super().__init__()
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server API
-                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
-                delivery_id = self.headers["x-polar-delivery-id"]
-                with receiver.lock:
-                    seen = sum(a["delivery_id"] == delivery_id for a in receiver.attempts)
-                    status = 503 if seen < receiver.fail_first.get(body["kind"], 0) else 200
-                    receiver.attempts.append({"delivery_id": delivery_id, "kind": body["kind"], "idempotency_key": self.headers["idempotency-key"], "status": status, "body": body})
-                    # counted at first sight, as if the answer to the first attempt was what got lost
-                    receiver.counted.setdefault(delivery_id, body)
-                self.send_response(status)
-                self.send_header("content-length", "0")
-                self.end_headers()
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.http.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.http.server_address[1]}/results"
+    def answer(self, headers: Message, body: dict[str, Any]) -> int:
+        delivery_id = headers["x-polar-delivery-id"]
+        with self.lock:
+            seen = sum(a["delivery_id"] == delivery_id for a in self.attempts)
+            status = 503 if seen < self.fail_first.get(body["kind"], 0) else 200
+            self.attempts.append({"delivery_id": delivery_id, "kind": body["kind"], "idempotency_key": headers["idempotency-key"], "status": status, "body": body})
+            # counted at first sight, as if the answer to the first attempt was what got lost
+            self.counted.setdefault(delivery_id, body)
+        return status
 
     def results(self, kind: str) -> list[dict[str, Any]]:
         with self.lock:
@@ -107,9 +97,6 @@ class Receiver:
                 return self.results("task_result")[0]
             time.sleep(0.2)
         raise AssertionError(f"no TaskResult delivered; attempts: {[(a['kind'], a['status']) for a in self.attempts]}")
-
-    def close(self) -> None:
-        self.http.shutdown()
 
 
 def coding_task(task_id: str, engine_url: str, backend: str, samples: int, **runtime: Any) -> dict[str, Any]:

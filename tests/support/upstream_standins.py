@@ -150,6 +150,31 @@ class SlowStandinEngine(_Served):
         super().__init__(type("SlowHandler", (_SlowHandler,), attributes))
 
 
+class _PacedHandler(_SlowHandler):
+    def do_POST(self) -> None:  # noqa: N802
+        request = json.loads(self.rfile.read(int(self.headers.get("content-length") or 0)) or b"{}")
+        time.sleep(paced_delay(request))
+        self._reply(200, slow_reply(request))
+
+
+def paced_delay(request: dict) -> float:
+    """The `pace=SECONDS` a chat request's last message names (0 if none)."""
+    content = str((request.get("messages") or [{}])[-1].get("content") or "")
+    for word in content.split():
+        if word.startswith("pace="):
+            return float(word.removeprefix("pace="))
+    return 0.0
+
+
+class PacedStandinEngine(_Served):
+    """A stand-in engine that answers each chat completion with `slow_reply` after the delay its last message asks
+    for (`pace=SECONDS`): one engine, a different answer time per call, so a test can set which calls its clients
+    abandon and when. Named as a stand-in: no real engine answers at a set time."""
+
+    def __init__(self) -> None:
+        super().__init__(type("PacedHandler", (_PacedHandler,), {"lock": threading.Lock()}))
+
+
 class _RelayHandler(_Handler):
     target = ""
     delay = 0.0

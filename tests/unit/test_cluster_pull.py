@@ -59,22 +59,22 @@ def test_pulled_snapshot_reads_like_the_node_and_pulls_each_segment_once(tmp_pat
         _fill(store, 0, 20)  # one segment of 16 rows, 4 in the journal
         _wait_for_segments(store, 1)
         taken = store.snapshot("n1")
-        assert len(taken.exchanges) == 2 and set(taken.sizes) == {*taken.exchanges, taken.sessions}
+        assert len(taken.exchanges) == 2 and set(taken.sizes) == {*taken.exchanges, taken.sessions, taken.marks}
 
         pulled = asyncio.run(pull_snapshot(taken, mirror, read, "pull"))
-        assert all(Path(p).parent == mirror for p in [*pulled.exchanges, pulled.sessions])
+        assert all(Path(p).parent == mirror for p in [*pulled.exchanges, pulled.sessions, pulled.marks])
         assert pulled.pulled_bytes == sum(taken.sizes.values())
         expected = [(f"x{i}", 300, "n1") for i in range(20)]
         assert _union_rows(pulled) == sorted(expected) == _union_rows(taken)
 
-        # more rows: the segment already mirrored is not copied again, only the new tail and sessions
+        # more rows: the segment already mirrored is not copied again, only the new tail, sessions and marks
         _fill(store, 20, 3)
         again = store.snapshot("n1")
         calls.clear()
         second = asyncio.run(pull_snapshot(again, mirror, read, "pull"))
         segment = taken.exchanges[0]
         assert segment not in {path for path, _, _ in calls}
-        assert second.pulled_bytes == again.sizes[again.exchanges[-1]] + again.sizes[again.sessions]
+        assert second.pulled_bytes == again.sizes[again.exchanges[-1]] + again.sizes[again.sessions] + again.sizes[again.marks]
         assert len(_union_rows(second)) == 23
 
         # "auto" on the node's own machine reads in place and copies nothing; "shared" never looks

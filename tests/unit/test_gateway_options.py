@@ -39,6 +39,7 @@ def _values(tmp_path: Path) -> dict[str, Any]:
         "passthrough": ["*.example.org"], "engine_hook": f"{hook}:hook", "sql_port": free_port(),
         "render": "tokens", "render_model": str(tmp_path / "model"), "tool_parser": "qwen3_coder",
         "policy_version": 7, "control_token": "t0k", "keepalive_interval": 2.5,
+        "store_memory_mb": 300, "store_journal_mb": 16, "store_compact_slice_mb": 4,
     }
 
 
@@ -81,6 +82,8 @@ def test_rollout_serve_and_run_list_every_gateway_option_but_those_the_node_sets
     for option in options.OPTIONS:
         if not option.cli:
             continue
+        if option.name == "host" and command == "serve":
+            continue  # serve's --host is its API's listen address (as --port is its API's), not the node's gateway's
         flag = "--gateway-port" if option.name == "port" else option.flag_names[-1]
         assert (flag in text) == (option.name not in rollout_cli.NODE_SETS), option.name
     for flag in ("--engine-timeout", "--split-reasoning", "--model-map", "--passthrough", "--sql-port"):  # missing before the table
@@ -131,6 +134,7 @@ def test_values_are_checked_in_the_addons_configure(tmp_path: Path) -> None:
         try:
             for option, value, message in [
                 ("polar_engine_timeout", 0.0, "must be positive"),
+                ("polar_store_journal_mb", -1, "must be 0"),
                 ("polar_engine", "tgi", "must be one of vllm, sglang"),
                 ("polar_engine_hook", "no-function-named", "polar_engine_hook: must be 'module:function'"),
                 ("polar_model_map", ["=served"], "has no pattern"),

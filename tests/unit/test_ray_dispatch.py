@@ -8,10 +8,10 @@ import asyncio
 from pathlib import Path
 
 from polar_mitm.gateway.config import GatewayConfig
+from polar_mitm.rollout.durable import DurableStore
 from polar_mitm.rollout.models import TaskRequest
 from polar_mitm.rollout.node import NodeConfig
 from polar_mitm.rollout.ray.config import ClusterConfig
-from polar_mitm.rollout.ray.head_store import HeadStore
 from polar_mitm.rollout.ray.nodes import NodeHandle, RayNodes
 from polar_mitm.rollout.session_run import SessionWork
 
@@ -23,7 +23,7 @@ def work(session_id: str, priority: int) -> SessionWork:
 
 def nodes_of(tmp_path: Path, *capacities: int) -> RayNodes:
     config = ClusterConfig(node=NodeConfig(gateway=GatewayConfig(upstream="http://127.0.0.1:1/v1", db=tmp_path / "s.duckdb"))).resolved()
-    nodes = RayNodes(config, HeadStore(tmp_path / "head.duckdb"))
+    nodes = RayNodes(config, DurableStore(tmp_path / "head.duckdb"))
     for index, capacity in enumerate(capacities):
         nodes.nodes[f"n{index}"] = NodeHandle(name=f"n{index}", ray_node_id=str(index), actor=None, info={}, capacity=capacity, db=tmp_path / f"n{index}.duckdb")
     return nodes

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import typing
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from email.message import Message
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ from polar_mitm.rollout.evaluation import EvaluatorError, reward_from_output
 from polar_mitm.rollout.models import Agent, Delivery, Runtime, TaskRequest
 from polar_mitm.rollout.runtimes import GatewayAccess, SandboxSpec
 from polar_mitm.rollout.runtimes.local import LocalSandbox, marked_processes
+from tests.support.callback_endpoint import CallbackEndpoint
 
 
 def test_request_models_match_the_harness_presets() -> None:
@@ -46,27 +46,17 @@ def test_reward_from_evaluator_output() -> None:
         reward_from_output('{"reward": "high"}', 0)
 
 
-class FlakyReceiver:
+class FlakyReceiver(CallbackEndpoint):
+    """Answers its attempts with `statuses` in turn (the last one from then on)."""
+
     def __init__(self, statuses: list[int]):
         self.statuses = statuses
         self.seen: list[tuple[str, dict[str, Any]]] = []
-        receiver = self
+        super().__init__("/cb")
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server API
-                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
-                receiver.seen.append((self.headers["x-polar-delivery-id"], body))
-                status = receiver.statuses[min(len(receiver.seen), len(receiver.statuses)) - 1]
-                self.send_response(status)
-                self.send_header("content-length", "0")
-                self.end_headers()
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.http.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.http.server_address[1]}/cb"
+    def answer(self, headers: Message, body: dict[str, Any]) -> int:
+        self.seen.append((headers["x-polar-delivery-id"], body))
+        return self.statuses[min(len(self.seen), len(self.statuses)) - 1]
 
 
 def test_callback_retried_until_delivered_once_then_final_errors() -> None:
@@ -82,12 +72,12 @@ def test_callback_retried_until_delivered_once_then_final_errors() -> None:
     assert (delivery.status, delivery.attempts, delivery.last_error) == ("delivered", 3, None)
     # every attempt carried the same delivery id and body, so a receiver keeps exactly one
     assert [d for d, _ in flaky.seen] == ["s:session_result"] * 3 and len({json.dumps(b) for _, b in flaky.seen}) == 1
-    flaky.http.shutdown()
+    flaky.close()
 
     refused = FlakyReceiver([400])
     delivery = asyncio.run(deliver(refused.url, "t:task_result"))
     assert (delivery.status, delivery.attempts) == ("failed", 1) and delivery.last_error.startswith("HTTP 400")
-    refused.http.shutdown()
+    refused.close()
 
     delivery = asyncio.run(deliver(f"http://127.0.0.1:{_closed_port()}/cb", "x"))
     assert (delivery.status, delivery.attempts) == ("failed", 4) and "ConnectError" in delivery.last_error

@@ -4,8 +4,8 @@
     actor.py       NodeActor: a GatewayNode on one Ray node
     nodes.py       the head's node handles: membership, dispatch, failure, control fan-out
     data.py        the head's reads of every node's store: snapshots, catalog, task export, SQL
-    head_store.py  the head's durable state (tasks, session states, deliveries)
-    head.py        RayScheduler and RolloutCluster (the Backend of `rollout serve --ray`, the trainer's entry point)
+    head.py        RolloutCluster (the Backend of `rollout serve --ray`, the trainer's entry point) over the
+                   durable scheduler of ../durable.py
 
 Ray itself is imported only inside functions of this package, when a cluster starts: importing it (or the rollout
 server) imports no Ray module.

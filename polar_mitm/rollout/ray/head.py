@@ -1,5 +1,5 @@
-"""The rollout head on Ray: the durable scheduler and `RolloutCluster`, the backend of `rollout serve --ray` and
-the Python entry point for a trainer's driver.
+"""The rollout head on Ray: `RolloutCluster` over the durable scheduler (rollout/durable.py), the backend of
+`rollout serve --ray` and the Python entry point for a trainer's driver.
 
     polar-mitm rollout serve --ray [ADDRESS] --upstream URL [--upstream URL ...] --db /shared/polar.duckdb
 
@@ -8,25 +8,23 @@ or, inside a trainer's own Ray job (ray.init already called):
     async with RolloutCluster(ClusterConfig(node=NodeConfig(gateway=GatewayConfig(upstream=..., db=...)))) as cluster:
         result = await cluster.run(TaskRequest(...))
 
-Durability: head_store.py. A restarted head (same head_db) gets back every task it had accepted
-(`RayScheduler.recover`); callbacks that were acknowledged are never sent again (`DurableCallbackSender`).
+Durability: rollout/durable.py, the same store as the single-machine server's. A restarted head (same head_db)
+gets back every task it had accepted (`DurableScheduler.recover`); callbacks that were acknowledged are never sent
+again (`DurableCallbackSender`).
 """
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from typing import Any
 
 from polar_mitm.rollout.backend import ControlCall, Fleet, GatewayReply, SqlSource
-from polar_mitm.rollout.callbacks import CallbackSender
-from polar_mitm.rollout.models import Delivery, SessionResult, TaskRequest, TaskResult
+from polar_mitm.rollout.durable import DurableScheduler, DurableStore
+from polar_mitm.rollout.models import SessionResult, TaskRequest, TaskResult
 from polar_mitm.rollout.ray.config import ClusterConfig
 from polar_mitm.rollout.ray.data import ClusterData
-from polar_mitm.rollout.ray.head_store import HeadStore
 from polar_mitm.rollout.ray.nodes import RayNodes
-from polar_mitm.rollout.scheduler import Scheduler, Task
-from polar_mitm.rollout.session_run import Report, SessionWork, queued_result
+from polar_mitm.rollout.session_run import Report, SessionWork
 
 
 class ClusterNode:
@@ -49,60 +47,6 @@ class ClusterNode:
         return await self.data.export_task(task_id, session_ids, builder, options)
 
 
-class DurableCallbackSender(CallbackSender):
-    """Deliveries recorded in the head store: one acknowledged is never sent again (also across head restarts)."""
-
-    def __init__(self, head: HeadStore, **options: Any):
-        super().__init__(**options)
-        self.head = head
-
-    async def deliver(self, delivery: Delivery, payload: dict[str, Any]) -> Delivery:
-        stored = self.head.delivery(delivery.delivery_id)
-        if stored is not None and stored.status == "delivered":
-            delivery.status, delivery.attempts, delivery.delivered_at, delivery.last_error = stored.status, stored.attempts, stored.delivered_at, None
-            return delivery
-        if stored is not None:
-            delivery.attempts = stored.attempts
-        self.head.save_delivery(delivery)
-        await super().deliver(delivery, payload)
-        self.head.save_delivery(delivery)
-        return delivery
-
-
-class RayScheduler(Scheduler):
-    """The Scheduler over the cluster, with every task, session state and delivery in the head store."""
-
-    def __init__(self, node: ClusterNode, head: HeadStore, callbacks: CallbackSender | None = None):
-        super().__init__(node, callbacks or DurableCallbackSender(head))
-        self.head = head
-
-    def _accepted(self, task: Task) -> None:
-        self.head.add_task(task.task_id, task.request, list(task.sessions), task.created_at)
-
-    def _finished(self, task: Task) -> None:
-        assert task.finished_at is not None
-        self.head.task_finished(task.task_id, task.finished_at, task.trajectories, task.trajectory_stats, task.early_stopped)
-
-    def recover(self) -> int:
-        """Every task the head store holds, back in memory; unfinished sessions re-attached or dispatched (a task
-        that had finished: only its deliveries, where owed). Returns how many tasks came back."""
-        recovered = 0
-        for stored in self.head.tasks():
-            if stored.task_id in self.tasks:
-                continue
-            task = Task(task_id=stored.task_id, request=stored.request, created_at=stored.created_at, finished_at=stored.finished_at,
-                        trajectories=stored.trajectories, trajectory_stats=stored.trajectory_stats, early_stopped=stored.early_stopped)
-            self.tasks[task.task_id] = task
-            for index, session_id in enumerate(stored.session_ids):
-                work = SessionWork(session_id=session_id, task_id=task.task_id, sample_index=index, request=stored.request)
-                _, _, final = stored.sessions.get(session_id, (None, "queued", None))
-                task.sessions[session_id] = final or queued_result(work)
-                self.session_tasks[session_id] = task.task_id
-                task.runs[session_id] = asyncio.create_task(self._run_session(task, work), name=f"session {session_id}")
-            recovered += 1
-        return recovered
-
-
 class RolloutCluster:
     """The Python entry point: the rollout head in this process, for a trainer's driver inside its own Ray job.
     Also the Backend (backend.py) of `rollout serve --ray`: the API's /nodes, /sql and /control/* are its methods.
@@ -122,10 +66,10 @@ class RolloutCluster:
     def __init__(self, config: ClusterConfig):
         self.config = config.resolved()
         assert self.config.head_db is not None
-        self.head = HeadStore(self.config.head_db)  # its file is made at the first write: after the nodes are up
+        self.head = DurableStore(self.config.head_db)  # its file is made at the first write: after the nodes are up
         self.nodes = RayNodes(self.config, self.head)
         self.data = ClusterData(self.config, self.nodes)
-        self.scheduler = RayScheduler(ClusterNode(self.nodes, self.data), self.head)
+        self.scheduler = DurableScheduler(ClusterNode(self.nodes, self.data), self.head)  # RayNodes records the session states
         self.recovered = 0
         self.started = False
         self.closed = False

@@ -40,6 +40,7 @@ from typing import Any
 
 from polar_mitm.errors import BackendStartError, RequestRejected
 from polar_mitm.rollout.backend import ControlCall, GatewayReply
+from polar_mitm.rollout.durable import DurableStore
 from polar_mitm.rollout.models import SessionResult, TaskRequest
 from polar_mitm.rollout.ray.actor import NodeActor
 from polar_mitm.rollout.ray.config import (
@@ -52,7 +53,6 @@ from polar_mitm.rollout.ray.config import (
     check_address,
     node_db,
 )
-from polar_mitm.rollout.ray.head_store import HeadStore
 from polar_mitm.rollout.session_run import Report, SessionWork, queued_result, uncancel
 from polar_mitm.store.snapshots import NodeSnapshot
 
@@ -94,7 +94,7 @@ def _actor_errors() -> tuple[type[BaseException], ...]:
 class RayNodes:
     """Implements scheduler.Node's sessions over the cluster's node actors (the task export is data.py's)."""
 
-    def __init__(self, config: ClusterConfig, head: HeadStore):
+    def __init__(self, config: ClusterConfig, head: DurableStore):
         self.config = config
         self.head = head
         self.nodes: dict[str, NodeHandle] = {}

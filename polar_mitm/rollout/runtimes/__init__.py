@@ -40,6 +40,7 @@ class SandboxSpec:
     sandbox_id: str  # the session id
     runtime: Runtime
     gateway: GatewayAccess
+    owner: str | None = None  # the server whose sandbox it is (durable.sandbox_owner): a restart reaps what it left by it
 
 
 @dataclass

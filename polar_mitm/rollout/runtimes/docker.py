@@ -7,6 +7,10 @@ which ends at the gateway. `network: host` shares the machine's network (the pro
 harness). The gateway's CA bundle is mounted read-only (the session secret is not); the host's pinned
 Node + harness install is mounted read-only at the same path, so the harness presets' argv and PATH hold
 inside. CPU and memory limits are the container's. Images: sandboxes/docker/ (no registry needed).
+
+An engine that goes away mid-session (dockerd stopped or restarted: without live-restore its containers stop with
+it) fails the session with ContainerLost, saying so rather than showing the dying container's exit status; its
+removal waits up to REMOVE_WAIT for the engine to answer again, and one still not removed goes at the next start.
 """
 
 from __future__ import annotations
@@ -40,11 +44,19 @@ CONTAINER_RELAY_DIR = "/run/polar-mitm"
 RELAY_PORT = 3128
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 LABEL = "polar-mitm.session"
+OWNER_LABEL = "polar-mitm.owner"  # the server whose sandbox it is (SandboxSpec.owner): a restart removes what it left
 HARNESS_LOG = "/tmp/polar-harness.log"
 READY_TIMEOUT = 30.0
+# how long removing a sandbox waits for an engine that stopped answering (dockerd restarting) to answer again
+REMOVE_WAIT = 30.0
 
 _client: Any = None
 _client_lock = threading.Lock()
+_unremoved: set[str] = set()  # containers whose removal found no engine: removed once it answers again (_sweep)
+
+
+class ContainerLost(RuntimeError):
+    """The session's container, or the Docker engine holding it, went away while the session ran."""
 
 
 async def _settled(work) -> None:
@@ -77,11 +89,74 @@ def client() -> Any:
 
 def check_image(image: str) -> None:
     import docker
+    import requests
 
     try:
         client().images.get(image)
     except docker.errors.ImageNotFound:
         raise DockerUnavailable(f"image {image!r} is not in the Docker engine; build it with sandboxes/docker/build-image.sh (no registry is used)") from None
+    except requests.exceptions.ConnectionError as error:
+        raise DockerUnavailable(f"the Docker engine does not answer now (is dockerd restarting?): {error}") from None
+
+
+def _engine_away(error: BaseException) -> bool:
+    """Whether `error` says the engine is not there (stopped, restarting), as opposed to refusing the request."""
+    import docker
+    import requests
+
+    return isinstance(error, requests.exceptions.ConnectionError) or (
+        isinstance(error, docker.errors.APIError) and not isinstance(error, docker.errors.NotFound) and error.is_server_error()
+    )
+
+
+def _remove_container(container_id: str) -> None:
+    """Remove a container, waiting up to REMOVE_WAIT for an engine that went away; one it never reached is kept
+    in `_unremoved` for the next sweep, and the error raised."""
+    import docker
+
+    deadline = time.monotonic() + REMOVE_WAIT
+    while True:
+        try:
+            client().api.remove_container(container_id, force=True)
+        except docker.errors.NotFound:
+            pass
+        except Exception as error:
+            if not _engine_away(error):
+                raise
+            if time.monotonic() < deadline:
+                time.sleep(0.5)
+                continue
+            with _client_lock:
+                _unremoved.add(container_id)
+            raise DockerUnavailable(f"container {container_id[:12]} is not removed: the Docker engine did not answer for {REMOVE_WAIT:g}s ({error}); it is removed when the next sandbox starts") from None
+        with _client_lock:
+            _unremoved.discard(container_id)
+        return
+
+
+def _sweep() -> None:
+    """Remove what an absent engine kept earlier removals from removing (best effort: it waits for no engine)."""
+    import docker
+
+    with _client_lock:
+        left = list(_unremoved)
+    for container_id in left:
+        try:
+            client().api.remove_container(container_id, force=True)
+        except docker.errors.NotFound:
+            pass
+        except Exception:  # noqa: BLE001 - still unreachable: kept for the next sweep
+            continue
+        with _client_lock:
+            _unremoved.discard(container_id)
+
+
+def remove_owned(owner: str) -> int:
+    """Remove every container labelled with `owner` (what a killed server left running); how many."""
+    containers = client().containers.list(all=True, filters={"label": f"{OWNER_LABEL}={owner}"})
+    for container in containers:
+        container.remove(force=True)
+    return len(containers)
 
 
 class DockerSandbox(Sandbox):
@@ -100,6 +175,7 @@ class DockerSandbox(Sandbox):
     def _start(self) -> None:
         from docker.types import Mount
 
+        _sweep()
         runtime = self.spec.runtime
         mounts = [Mount(CONTAINER_CA, str(routing.ca_bundle(self.spec.gateway.confdir)), type="bind", read_only=True)]
         if runtime.mount_harnesses:
@@ -123,7 +199,7 @@ class DockerSandbox(Sandbox):
         try:
             self.container = client().containers.run(
                 runtime.image, command, detach=True, init=True, network_mode=network, mounts=mounts,
-                labels={LABEL: self.id}, environment={"LANG": "C.UTF-8", **runtime.env},
+                labels={LABEL: self.id, **({OWNER_LABEL: self.spec.owner} if self.spec.owner else {})}, environment={"LANG": "C.UTF-8", **runtime.env},
                 nano_cpus=int(runtime.cpus * 1e9) if runtime.cpus else None, mem_limit=runtime.memory,
                 hostname="sandbox",
             )
@@ -153,12 +229,7 @@ class DockerSandbox(Sandbox):
             await asyncio.to_thread(self._remove)
 
     def _remove(self) -> None:
-        import docker
-
-        try:
-            self.container.remove(force=True)
-        except docker.errors.NotFound:
-            pass
+        _remove_container(self.container.id)
 
     # -- files
     def _inside(self, path: str) -> str:
@@ -202,11 +273,41 @@ class DockerSandbox(Sandbox):
 
     # -- processes
     def _exec_blocking(self, argv: list[str], env: Mapping[str, str], workdir: str) -> ExecResult:
+        """Run `argv` in the container to its end. ContainerLost if the container or its engine went away meanwhile
+        (a dockerd stop ends the exec's stream and, without live-restore, stops every container): that, not the
+        exit status a dying container leaves, is what the session's error must say."""
+        import docker
+
         api = client().api
-        exec_id = api.exec_create(self.container.id, argv, environment=dict(env), workdir=workdir, stdout=True, stderr=True)["Id"]
-        stdout, stderr = api.exec_start(exec_id, demux=True)
-        code = api.exec_inspect(exec_id).get("ExitCode")
+        try:
+            exec_id = api.exec_create(self.container.id, argv, environment=dict(env), workdir=workdir, stdout=True, stderr=True)["Id"]
+            stdout, stderr = api.exec_start(exec_id, demux=True)
+            inspected = api.exec_inspect(exec_id)
+        except Exception as error:
+            if _engine_away(error):
+                raise ContainerLost(f"the Docker engine went away while the session ran (dockerd stopped or restarted; without live-restore its containers stop with it): container {self.container.id[:12]} is lost ({type(error).__name__})") from None
+            if isinstance(error, docker.errors.NotFound):  # the container removed, or a restarted engine that lost the exec
+                raise ContainerLost(f"container {self.container.id[:12]} or its process is gone from the Docker engine (it restarted, or the container was removed): {error}") from None
+            raise
+        code = inspected.get("ExitCode")
+        if code != 0 or inspected.get("Running"):  # a dying container's exit status, or a stream cut while it runs
+            if (gone := self._gone()) is not None:
+                raise ContainerLost(f"container {self.container.id[:12]} {gone} while the session ran: the Docker engine stopped or restarted, or something stopped the container")
         return ExecResult(code if code is not None else -1, (stdout or b"").decode("utf-8", "replace"), (stderr or b"").decode("utf-8", "replace"))
+
+    def _gone(self) -> str | None:
+        """Why the container can run nothing more, in words; None while it runs."""
+        import docker
+
+        try:
+            state = client().api.inspect_container(self.container.id)["State"]
+        except docker.errors.NotFound:
+            return "was removed"
+        except Exception as error:  # noqa: BLE001 - any way of not reaching the engine reads the same here
+            return f"is out of reach ({type(error).__name__}: {error})" if _engine_away(error) else None
+        if state.get("Running") and not state.get("Restarting"):
+            return None
+        return f"stopped ({'killed for memory' if state.get('OOMKilled') else 'exit status ' + str(state.get('ExitCode'))} at {state.get('FinishedAt')})"
 
     async def _exec(self, argv: list[str], env: Mapping[str, str], timeout: float | None) -> ExecResult:
         try:
@@ -217,10 +318,11 @@ class DockerSandbox(Sandbox):
 
     def _kill(self) -> None:
         import docker
+        import requests
 
         try:
             self.container.kill()
-        except docker.errors.APIError:  # already stopped or gone
+        except (docker.errors.APIError, requests.exceptions.ConnectionError):  # already stopped or gone, or no engine
             pass
 
     async def exec(self, command: str, timeout: float | None, env: Mapping[str, str] | None = None) -> ExecResult:

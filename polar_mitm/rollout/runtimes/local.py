@@ -6,11 +6,19 @@ harness runs in a capture namespace of its own instead (polar_mitm/capture.py): 
 the gateway's transparent listener reachable. Every process started here
 carries POLAR_MITM_SANDBOX=<id> in its environment; `destroy` kills each process that still has it (also
 ones that left the process group, e.g. a tool's detached child), then removes the directory.
+
+A sandbox does not outlive its server. Each process it starts gets a parent-death signal (SIGKILL when the server
+dies, prctl PR_SET_PDEATHSIG) and leads a process group of its own, watched by a guard (a `sh` in a session of its
+own, reading a pipe only the server holds open): the server's death closes the pipe and the guard kills the whole
+group (the harness's children too: the signal reaches only the process itself). With a `spec.owner`, every
+process also carries POLAR_MITM_SANDBOX_OWNER=<owner>: a restarted server kills any left (`kill_owned`), e.g. one
+that left its group, before it fails the sessions they belonged to.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import shutil
 import signal
@@ -26,6 +34,12 @@ from polar_mitm.rollout.models import Agent, Upload
 from polar_mitm.rollout.runtimes import ExecResult, Sandbox, SandboxSpec, write_home_files
 
 MARKER = "POLAR_MITM_SANDBOX"
+OWNER_MARKER = "POLAR_MITM_SANDBOX_OWNER"
+PR_SET_PDEATHSIG = 1
+# looked up here, not in the forked child (which must not import or allocate much before exec); Linux only
+_prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)
+# kills the watched group once the pipe on its stdin closes: the server ended it, or the server died
+GUARD = 'read _ignored; kill -s KILL -- "-$1" 2>/dev/null'
 
 
 class LocalSandbox(Sandbox):
@@ -33,6 +47,7 @@ class LocalSandbox(Sandbox):
         super().__init__(spec)
         self.root: Path | None = None
         self.namespace: CaptureNamespace | None = None
+        self.guards: dict[int, tuple[asyncio.subprocess.Process, int]] = {}  # process id -> its guard
 
     async def start(self) -> None:
         if self.spec.runtime.capture == "transparent":
@@ -53,6 +68,7 @@ class LocalSandbox(Sandbox):
             "HOME": self.home,
             "TMPDIR": str(self.root / "tmp"),
             MARKER: self.id,
+            **({OWNER_MARKER: self.spec.owner} if self.spec.owner else {}),
             **self.spec.runtime.env,
         }
 
@@ -103,11 +119,20 @@ class LocalSandbox(Sandbox):
 
     # -- processes
     async def _spawn(self, argv: list[str], env: dict[str, str], stdout) -> asyncio.subprocess.Process:
-        # its own process group, so a timeout or cancel kills the whole tree it started
-        return await asyncio.create_subprocess_exec(
+        # its own process group, so a timeout or cancel kills the whole tree it started; dies with this process
+        parent = os.getpid()
+        process = await asyncio.create_subprocess_exec(
             *argv, cwd=self.workdir, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=stdout,
             stderr=asyncio.subprocess.PIPE if stdout is asyncio.subprocess.PIPE else asyncio.subprocess.STDOUT, start_new_session=True,
+            preexec_fn=lambda: _die_with(parent),
         )
+        try:
+            self.guards[process.pid] = await _guard(process.pid)
+        except BaseException:
+            _kill_group(process.pid)
+            await process.wait()
+            raise
+        return process
 
     async def _wait(self, process: asyncio.subprocess.Process, timeout: float | None, communicate: bool) -> tuple[bytes, bytes]:
         try:
@@ -120,6 +145,43 @@ class LocalSandbox(Sandbox):
             _kill_group(process.pid)
             await process.wait()
             raise
+        finally:
+            await _release(self.guards.pop(process.pid))
+
+
+def _die_with(parent: int) -> None:
+    """In the forked child, before exec: SIGKILL when the server dies (also if it died since the fork)."""
+    if _prctl is not None:
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+async def _guard(pgid: int) -> tuple[asyncio.subprocess.Process, int]:
+    """A guard for process group `pgid` (module docstring) and the pipe end that keeps it waiting."""
+    read_end, write_end = os.pipe()  # both close-on-exec here: only the guard's stdin is a copy
+    try:
+        guard = await asyncio.create_subprocess_exec(
+            "sh", "-c", GUARD, "polar-sandbox-guard", str(pgid), stdin=read_end, stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL, start_new_session=True,
+        )
+    except BaseException:
+        os.close(write_end)
+        raise
+    finally:
+        os.close(read_end)
+    return guard, write_end
+
+
+async def _release(guarded: tuple[asyncio.subprocess.Process, int]) -> None:
+    """The group's process ended here: its guard is stopped (its group is this server's to kill now)."""
+    guard, write_end = guarded
+    try:
+        guard.kill()
+    except ProcessLookupError:
+        pass
+    os.close(write_end)
+    await guard.wait()
 
 
 def _kill_group(pgid: int) -> None:
@@ -129,9 +191,9 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
-def marked_processes(sandbox_id: str) -> list[int]:
-    """Processes whose environment carries this sandbox's marker (Linux /proc)."""
-    needle = f"{MARKER}={sandbox_id}".encode()
+def marked_processes(sandbox_id: str, variable: str = MARKER) -> list[int]:
+    """Processes whose environment carries this sandbox's marker (or `variable`=sandbox_id) (Linux /proc)."""
+    needle = f"{variable}={sandbox_id}".encode()
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
@@ -145,7 +207,12 @@ def marked_processes(sandbox_id: str) -> list[int]:
     return found
 
 
-def kill_marked(sandbox_id: str, settle: float = 0.2, limit: float = 10.0) -> None:
+def kill_owned(owner: str) -> None:
+    """SIGKILL every process of every sandbox `owner` (a server's state) started, as kill_marked does one's."""
+    kill_marked(owner, variable=OWNER_MARKER)
+
+
+def kill_marked(sandbox_id: str, settle: float = 0.2, limit: float = 10.0, variable: str = MARKER) -> None:
     """SIGKILL every process carrying the sandbox's marker, until scans over `settle` seconds find none.
 
     One empty scan is not enough: a process in the middle of exec shows an empty environment for a moment
@@ -154,7 +221,7 @@ def kill_marked(sandbox_id: str, settle: float = 0.2, limit: float = 10.0) -> No
     deadline = time.monotonic() + limit
     quiet_since: float | None = None
     while time.monotonic() < deadline:
-        pids = marked_processes(sandbox_id)
+        pids = marked_processes(sandbox_id, variable)
         if pids:
             quiet_since = None
             for pid in pids:

@@ -61,3 +61,38 @@ def test_a_router_reports_each_engine_url() -> None:
     reach.unreachable("refused")
     reach.unreachable("refused")
     assert (reach.reachable, reach.failed_calls, reach.last_error) == (False, 2, "refused")
+
+
+def test_a_connection_the_engine_never_accepts_is_an_engine_timeout_that_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A listener whose accept queue is full (backlog 0, filled, never accepted): the kernel drops further SYNs, so
+    the connection itself times out; the error names that, not the per-call read limit."""
+    import socket
+
+    from polar_mitm.engines import base
+
+    monkeypatch.setattr(base, "CONNECT_TIMEOUT_S", 0.5)
+    listener = socket.create_server(("127.0.0.1", 0), backlog=0)
+    port = listener.getsockname()[1]
+    fillers = []
+    try:
+        for _ in range(4):
+            filler = socket.socket()
+            filler.setblocking(False)
+            filler.connect_ex(("127.0.0.1", port))
+            fillers.append(filler)
+
+        async def main() -> None:
+            engine = make_engine("vllm", f"http://127.0.0.1:{port}/v1")
+            try:
+                with pytest.raises(EngineError) as failure:
+                    await engine.list_models()
+            finally:
+                await engine.close()
+            assert failure.value.http_status == 504 and failure.value.status_class == "engine_timeout"
+            assert str(failure.value) == f"no connection to the inference engine at http://127.0.0.1:{port}/v1 within 0.5s"
+
+        asyncio.run(main())
+    finally:
+        for filler in fillers:
+            filler.close()
+        listener.close()

@@ -26,14 +26,15 @@ from polar_mitm.render import parsers
 from polar_mitm.render.serve import RENDER_MODES
 
 # option -> the registry its values come from
-REGISTRY_NAMES = {"engine": ENGINES.names(), "render": tuple(RENDER_MODES), "tool_parser": parsers.TOOL_PARSERS.names()}
+REGISTRY_NAMES = {"engine": ENGINES.names(), "render": tuple(RENDER_MODES), "tool_parser": parsers.TOOL_FORMATS}
 WITH_CHOICES = [option for option in options.OPTIONS if option.choices is not None]
 POLAR_MITM = Path(sys.executable).with_name("polar-mitm")  # the installed console script
 
 
 def test_each_option_with_choices_is_its_registrys_names_in_the_table_mitmproxy_and_the_config_model() -> None:
     assert {option.name: tuple(option.choices or ()) for option in WITH_CHOICES} == REGISTRY_NAMES
-    assert REGISTRY_NAMES["engine"] == ("vllm", "sglang") and REGISTRY_NAMES["tool_parser"] == ("hermes", "qwen3_coder", "none")
+    assert REGISTRY_NAMES["engine"] == ("vllm", "sglang") and REGISTRY_NAMES["tool_parser"] == ("auto", "hermes", "qwen3_coder", "none")
+    assert REGISTRY_NAMES["render"] == ("chat", "tokens", "auto") and parsers.TOOL_FORMATS[1:] == parsers.TOOL_PARSERS.names()
     schema = GatewayConfig.model_json_schema()["properties"]
     with taddons.context(Proxyserver(), PolarAddon()) as tctx:  # the proxy's options: configure() sets one
         for option in WITH_CHOICES:
@@ -102,3 +103,12 @@ def test_tool_parsers_are_a_registry_of_tool_call_parsers() -> None:
     assert (content, call.name, call.arguments) == ("Listing.", "ls", "{}")
     with pytest.raises(ValueError, match="not JSON"):
         registry.get("hermes")("<tool_call>\n{oops\n</tool_call>", [])
+
+
+def test_the_tool_call_format_is_read_from_the_chat_template() -> None:
+    qwen3 = '{%- if tools %}<tools>{{ tools | tojson }}</tools>{%- endif %}{{ "<tool_call>\\n" }}{{ tool_call | tojson }}{{ "\\n</tool_call>" }}'
+    coder = '{%- if tools %}<tools>{% endif %}<tool_call>\n<function={{ name }}>\n<parameter={{ key }}>'
+    assert parsers.format_of_template(qwen3) == "hermes"
+    assert parsers.format_of_template(coder) == "qwen3_coder"  # inside <tool_call> too: XML first
+    assert parsers.format_of_template("{% for m in messages %}{{ m.content }}{% endfor %}") == "none"  # renders no tools
+    assert parsers.format_of_template("{% if tools %}[AVAILABLE_TOOLS]{{ tools }}{% endif %}[TOOL_CALLS]") is None  # unknown

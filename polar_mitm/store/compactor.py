@@ -1,0 +1,111 @@
+"""The store's compactor thread: full journals become Parquet segments (polar_mitm.store.segments), off the
+writer's thread, each installed by the writer in one transaction. A journal whose compaction failed (a full disk)
+stays a journal, in the view, and is queued again after the writer's next new journal; the compactor itself never
+dies of a failure."""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import duckdb
+
+from polar_mitm.store.records import journal_table
+from polar_mitm.store.segments import checkpoint_soon, listed_segments, write_segment
+from polar_mitm.store.trouble import WriteTrouble, invalidates
+
+log = logging.getLogger("polar_mitm.store")
+
+
+class Compaction:
+    """The compactor's part of Store (a mixin: the attributes below are Store's)."""
+
+    con: duckdb.DuckDBPyConnection
+    segments_dir: Path
+    slice_bytes: int
+    _journals: list[int]
+    _compacting: set[int]  # journals queued for the compactor or being compacted
+    _compacted: threading.Event  # set each time the compactor has written a segment or given up on one
+    _compactions: queue.Queue[tuple[int, int | None] | None]
+    _call_writer: Callable[[Any], None]
+    _install_segment: Callable[[duckdb.DuckDBPyConnection, int, str | None, int], None]
+    _trouble: Callable[..., None]
+    compaction_trouble: WriteTrouble
+    _pending: Callable[..., Any]  # the writer's queued-step type
+
+    def _queue_compaction(self, number: int, journal_bytes: int | None = None) -> None:
+        self._compacting.add(number)
+        self._compactions.put((number, journal_bytes))
+
+    def _queue_uncompacted(self) -> None:
+        """Queue again each full journal whose compaction failed (a full disk): they stay journals until then."""
+        for number in self._journals[:-1]:
+            if number not in self._compacting:
+                self._queue_compaction(number)
+
+    def _compact_loop(self) -> None:
+        # compaction yields to the proxy: DuckDB runs it on this thread alone (threads=1, set at open), niced
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        except (AttributeError, OSError):
+            pass
+        while True:
+            job = self._compactions.get()
+            if job is None:
+                return
+            try:
+                self._compact_one(*job)
+            finally:
+                self._compacting.discard(job[0])
+                self._compacted.set()
+
+    def _compact_one(self, number: int, journal_bytes: int | None) -> None:
+        """One journal to its segment; on failure (a full disk) it stays a journal, in the view, and is queued
+        again after the writer's next new journal. Never raises: the compactor outlives any failure."""
+        if number not in self._journals[:-1]:
+            return  # compacted already (queued twice around a reopen)
+        started = time.perf_counter()
+        file: str | None = None
+        try:
+            con = self.con.cursor()  # the current connection's: the writer may have reopened the file
+            file, rows = write_segment(con, number, self.segments_dir, journal_bytes, self.slice_bytes)
+            written = time.perf_counter()
+            self._compacted.set()  # a writer waiting on the backlog goes on to the install step queued next
+            self._call_writer(self._pending(step=lambda writer, number=number, file=file, rows=rows: self._install_segment(writer, number, file, rows)))
+        except Exception as error:  # noqa: BLE001 - the journal stays (and stays in the view); compacted again later
+            self._trouble(f"compacting {journal_table(number)}, whose rows stay in the journal", error, compaction=True)
+            self._compacted.set()  # a writer waiting on the backlog goes on (and runs the step below)
+            if file is not None:
+                self._remove_unlisted(file)
+            return
+        installed = time.perf_counter()
+        self.compaction_trouble.writes_again()
+        try:
+            checkpointed = checkpoint_soon(con)
+        except Exception as error:  # noqa: BLE001 - e.g. a full disk: the WAL keeps the rows; the writer reopens if DuckDB gave up
+            # commits go on unless DuckDB gave up on the file (then the commits' own episode says so)
+            self._trouble("checkpointing", error, compaction=not invalidates(error))
+            return
+        log.info(
+            f"polar-mitm: segment {number:06d}: {rows} exchanges written in {1000 * (written - started):.0f} ms, installed in "
+            f"{1000 * (installed - written):.0f} ms, {'checkpoint' if checkpointed else 'no checkpoint'} in {1000 * (time.perf_counter() - installed):.0f} ms"
+        )
+
+    def _remove_unlisted(self, file: str) -> None:
+        """Delete a segment file whose install failed, once the writer says it is not listed (a failed COMMIT may
+        still have been durable); if the writer cannot say, the next open removes it."""
+
+        def remove(con: duckdb.DuckDBPyConnection) -> None:
+            if file not in listed_segments(con):
+                (self.segments_dir / file).unlink(missing_ok=True)
+
+        try:
+            self._call_writer(self._pending(step=remove))
+        except Exception:  # noqa: BLE001 - left for the next open (remove_unlisted_segments)
+            pass

@@ -1,0 +1,61 @@
+"""The store's memory bounds: DuckDB's memory limit, journals rotated by their records' bytes, compaction in
+slices (one row group each), and the gateway options that set them defaulting to the store's own values."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from polar_mitm import store
+from polar_mitm.gateway.options import OPTIONS
+from polar_mitm.store import Store, writer
+from tests.support.rows import exchange_row
+
+
+def test_the_gateway_options_default_to_the_stores_bounds() -> None:
+    defaults = {option.name: option.default for option in OPTIONS}
+    assert defaults["store_memory_mb"] == writer.MEMORY_MB
+    assert defaults["store_journal_mb"] == writer.JOURNAL_MB
+    assert defaults["store_compact_slice_mb"] == writer.COMPACT_SLICE_MB
+
+
+def test_duckdb_gets_the_memory_limit_and_zero_leaves_duckdbs_own(tmp_path: Path) -> None:
+    bounded = Store(tmp_path / "a.duckdb", memory_mb=200)
+    try:
+        assert bounded.query("SELECT current_setting('memory_limit')")[1][0][0] in ("190.7 MiB", "200.0 MB", "200MB")
+    finally:
+        bounded.close()
+    unbounded = Store(tmp_path / "b.duckdb", memory_mb=0)
+    try:
+        assert "GiB" in unbounded.query("SELECT current_setting('memory_limit')")[1][0][0]  # DuckDB's 80% of RAM
+    finally:
+        unbounded.close()
+
+
+def test_a_journal_becomes_a_segment_by_its_bytes_compacted_in_slices_and_reads_back_the_same(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    rows = [exchange_row("s", seq, prompt_len=4000) for seq in range(1, 61)]
+    # 1 MB: ~35 of these rows, far below segment_rows (256); slices of 1 MB of records: ~35 rows each, so slicing is
+    # forced smaller here, to ~6 rows of ~30 KB
+    target = Store(tmp_path / "s.duckdb", journal_mb=1, compact_slice_mb=1)
+    target.slice_bytes = 200_000
+    try:
+
+        async def commit_all() -> None:
+            for start in range(0, len(rows), 6):
+                await asyncio.gather(*(target.commit_exchange(row) for row in rows[start : start + 6]))
+
+        asyncio.run(commit_all())
+        deadline = time.monotonic() + 30
+        while not target.query(f"SELECT * FROM {store.SEGMENTS_TABLE}")[1] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ((file, segment_rows),) = target.query(f"SELECT file, rows FROM {store.SEGMENTS_TABLE}")[1]
+        read = dict(target.query("SELECT exchange_id, prompt_token_ids FROM exchanges")[1])
+    finally:
+        target.close()
+    assert 20 < segment_rows < 60  # rotated at 1 MB of records, not at 256 rows
+    assert pq.ParquetFile(tmp_path / "s.duckdb.segments" / file).num_row_groups > 1  # one per slice
+    assert read == {row["exchange_id"]: list(row["prompt_token_ids"]) for row in rows}
