@@ -26,11 +26,36 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Protocol
 
 import httpx
 
-from polar_mitm.client import GatewayControl
+from polar_mitm.client import RolloutClient
 from polar_mitm.errors import WeightSyncError
+
+
+class Pausable(Protocol):
+    """What a sync holds still while the weights change: one gateway (`polar_mitm.client.GatewayControl`), or
+    every gateway a rollout server owns (`ServerGateways`)."""
+
+    def pause(self, mode: Any = "drain", timeout_seconds: float = ...) -> Any: ...
+
+    def resume(self, policy_version: int | None = None, engine_model: str | None = None) -> Any: ...
+
+
+@dataclass
+class ServerGateways:
+    """Every gateway node of a rollout server (`rollout serve`, `rollout run`'s, or a Ray head's), paused and
+    resumed as one through the server's /control/* (a node that refuses makes the call raise)."""
+
+    server: RolloutClient
+
+    def pause(self, mode: Any = "drain", timeout_seconds: float = 300.0) -> Any:
+        return self.server.control("pause", mode=mode, timeout_seconds=timeout_seconds)
+
+    def resume(self, policy_version: int | None = None, engine_model: str | None = None) -> Any:
+        body = {k: v for k, v in {"policy_version": policy_version, "engine_model": engine_model}.items() if v is not None}
+        return self.server.control("resume", **body)
 
 
 def _post(http: httpx.Client, url: str, body: dict | None = None) -> httpx.Response:
@@ -129,7 +154,7 @@ class SyncReport:
     seconds: dict[str, float] = field(default_factory=dict)
 
 
-def _paused_update(gateways: Sequence[GatewayControl], mode: str, drain_timeout: float, report: SyncReport, update) -> None:
+def _paused_update(gateways: Sequence[Pausable], mode: str, drain_timeout: float, report: SyncReport, update) -> None:
     """Pause every gateway, run `update()` (timed as "load"), resume every gateway on `report`'s version and engine
     model. When the update fails, every gateway resumes unchanged (the old weights still serve) and the error is
     raised: no session is left held."""
@@ -153,7 +178,7 @@ def _paused_update(gateways: Sequence[GatewayControl], mode: str, drain_timeout:
 
 
 def sync_lora(
-    gateways: Sequence[GatewayControl],
+    gateways: Sequence[Pausable],
     engine: VLLMLoraEngine,
     adapter_dir: str | Path,
     policy_version: int,
@@ -173,7 +198,7 @@ def sync_lora(
 
 
 def sync_from_disk(
-    gateways: Sequence[GatewayControl],
+    gateways: Sequence[Pausable],
     engine: SGLangDiskEngine,
     model_path: str | Path,
     policy_version: int,

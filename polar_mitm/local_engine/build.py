@@ -166,8 +166,13 @@ def build_engine_venv(home: Path) -> Path:
 # What a trainer step needs beside torch and transformers (examples/grpo_loop.py, the training tests): installed
 # into the engine venv on demand and outside INSTALL_STEPS, so adding them never rebuilds an engine venv in use.
 # --no-deps: their dependencies (torch, transformers, numpy, ...) are the venv's own; pip must not replace them.
-TRAINER_PACKAGES = {"peft": "peft==0.21.2", "pyarrow": "pyarrow>=17", "matplotlib": "matplotlib>=3.8"}
-TRAINER_PACKAGE_DEPS = ["contourpy", "cycler", "fonttools", "kiwisolver", "pyparsing", "python-dateutil"]  # matplotlib's
+# TRL (polar_mitm.integrations.trl, tests/integration/test_trl.py) with the dependencies it adds to the engine
+# venv: pip resolves exactly these beside vLLM's own, nothing replaced (checked with `pip install --dry-run`).
+TRAINER_PACKAGES = {"peft": "peft==0.21.2", "pyarrow": "pyarrow>=21", "matplotlib": "matplotlib>=3.8", "trl": "trl==1.16.0", "datasets": "datasets==5.2.0"}
+TRAINER_PACKAGE_DEPS = [
+    "contourpy", "cycler", "fonttools", "kiwisolver", "pyparsing", "python-dateutil",  # matplotlib's
+    "pandas==3.1.1", "multiprocess==0.70.19", "xxhash==4.1.0", "tzdata",  # datasets'
+]
 
 
 def ensure_trainer_packages(home: Path) -> Path:

@@ -1,0 +1,118 @@
+"""GRPO with TRL's own `GRPOTrainer` where every completion is a real agent's model call through polar-mitm.
+
+TRL owns the loop (optimizer, advantages, loss, logging); polar-mitm's `rollout_func`
+(polar_mitm.integrations.trl.PolarRollouts) runs each prompt's group as one task on a rollout server, with the
+task file's harness in fresh sandboxes, and pushes the trainer's LoRA into the running vLLM engine whenever TRL took
+an optimizer step. Runs in the trainer's environment (Python >= 3.11 with torch, transformers, peft, trl; here the
+local engine's venv, which `polar-mitm engine build --model smollm2 --with-trainer` equips). From any folder:
+
+    polar-mitm engine build --model smollm2 --with-trainer
+    polar-mitm engine start --model smollm2 --port 8012 --lora-rank 8
+    polar-mitm rollout serve --port 8070 --upstream http://127.0.0.1:8012/v1 --db trl.duckdb --confdir trl-conf
+    ~/.cache/polar-mitm/engine-venv/bin/python $REPO/examples/trl_grpo.py --server http://127.0.0.1:8070 \\
+        --engine http://127.0.0.1:8012/v1 --task $REPO/examples/agents/facts/task.yaml --out trl-run --steps 2
+
+The prompts are the task file's instruction (`--prompts N` copies of it: TRL's dataset), so the group's reward is
+the task's own evaluator's. `--received FILE` writes, per session, the logprobs TRL's loss received for the tokens
+the policy sampled (TRL's `sampling_per_token_logps` where `env_mask` is 1): a user can check them against the
+store (`polar-mitm sql ... completion_logprobs`), as tests/integration/test_trl.py does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+CHECKOUT = Path(__file__).resolve().parents[1]
+if (CHECKOUT / "polar_mitm").is_dir():
+    sys.path.insert(0, str(CHECKOUT))  # this example's own polar_mitm, without PYTHONPATH (so from any folder)
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is "experimental" in TRL 1.16: said here once
+
+import torch  # noqa: E402
+import yaml  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from peft import LoraConfig  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+from polar_mitm.integrations.trl import LoraSync, PolarRollouts, evaluator_reward  # noqa: E402
+
+
+def task_template(path: Path) -> dict:
+    """The task file minus what each group sets (instruction, samples, id), its evaluator's path made absolute."""
+    task = yaml.safe_load(path.read_text())
+    for key in ("instruction", "num_samples", "task_id"):
+        task.pop(key, None)
+    evaluator = task.get("evaluator") or {}
+    if evaluator.get("python"):
+        file, function = evaluator["python"].rsplit(":", 1)
+        evaluator["python"] = f"{(path.parent / file).resolve()}:{function}"
+    return task
+
+
+class Recording(GRPOTrainer):
+    """GRPOTrainer that also writes what its loss received, per session (for --received)."""
+
+    received: Path | None = None
+
+    def _generate_and_score_completions(self, inputs):
+        out = super()._generate_and_score_completions(inputs)
+        if self.received is not None:
+            logps, mask = out["sampling_per_token_logps"], out["tool_mask"] * out["completion_mask"]
+            with self.received.open("a") as file:
+                for row, example in enumerate(inputs):
+                    sampled = logps[row][mask[row].bool()].tolist()
+                    file.write(json.dumps({"step": self.state.global_step, "session_id": example["polar_session_id"], "logprobs": sampled, "reward": example["polar_reward"]}) + "\n")
+        return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--server", required=True, help="the rollout server's URL")
+    parser.add_argument("--engine", required=True, help="the vLLM engine's OpenAI base URL (runtime LoRA on)")
+    parser.add_argument("--task", required=True, type=Path, help="a task file (YAML TaskRequest): agent, runtime, evaluator")
+    parser.add_argument("--model", type=Path, default=Path.home() / ".cache" / "polar-mitm" / "models" / "smollm2", help="the engine's model directory (the trainer's base weights)")
+    parser.add_argument("--out", type=Path, required=True, help="TRL's output folder (adapters, logs)")
+    parser.add_argument("--steps", type=int, default=2, help="optimizer steps")
+    parser.add_argument("--prompts", type=int, default=2, help="prompts per step (dataset rows)")
+    parser.add_argument("--num-generations", type=int, default=2, help="sessions per prompt (the GRPO group)")
+    parser.add_argument("--learning-rate", type=float, default=1e-4)
+    parser.add_argument("--beta", type=float, default=0.0, help="KL coefficient (0: no reference model pass)")
+    parser.add_argument("--received", type=Path, help="write what TRL's loss received, per session (JSON lines)")
+    args = parser.parse_args()
+
+    task = task_template(args.task.resolve())
+    instruction = yaml.safe_load(args.task.read_text())["instruction"]
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32)
+    rollouts = PolarRollouts(args.server, task, weights=LoraSync(engine=args.engine, adapter_dir=args.out / "adapters"))
+    config = GRPOConfig(
+        output_dir=str(args.out), max_steps=args.steps, learning_rate=args.learning_rate, beta=args.beta,
+        per_device_train_batch_size=args.prompts * args.num_generations, num_generations=args.num_generations,
+        gradient_accumulation_steps=1, use_vllm=False, use_cpu=True, bf16=False, logging_steps=1, report_to=[],
+        save_strategy="no", seed=0,
+    )
+    Recording.received = args.received
+    trainer = Recording(
+        model=model, processing_class=tokenizer, reward_funcs=evaluator_reward, args=config,
+        train_dataset=Dataset.from_dict({"prompt": [instruction] * (args.prompts * args.steps)}),
+        peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
+        rollout_func=rollouts,
+    )
+    trainer.train()
+    summary = {
+        "global_step": trainer.state.global_step,
+        "log_history": trainer.state.log_history,
+        "syncs": [{"policy_version": r.policy_version, "engine_model": r.engine_model, "seconds": r.seconds} for r in rollouts.weights.reports],
+        "sessions": [s.session_id for s in rollouts.last_samples],
+    }
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    print(json.dumps({k: summary[k] for k in ("global_step", "syncs")}, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

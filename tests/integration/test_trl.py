@@ -1,0 +1,110 @@
+"""TRL's own GRPOTrainer drives the rollout server (issue 27): real `trl` 1.16 in the trainer's environment (the
+engine venv, Python 3.11), a LoRA on SmolLM2-135M-Instruct, two optimizer steps, every completion a real agent's
+model call (the OpenAI Agents SDK facts agent of examples/agents/, Responses API, routed by proxy settings only)
+through the rollout server's gateway to the real vLLM engine, unsteered and without any output cap.
+
+`examples/trl_grpo.py` runs as a user runs it, from a fresh folder: TRL's `rollout_func` is
+polar_mitm.integrations.trl.PolarRollouts, which pushes the trainer's adapter into the running engine before each
+step's rollouts. The test then checks what TRL's loss received against the store: each session's logprobs equal
+the engine's stored ones token for token, its rows carry the policy version of the step that sampled them and the
+engine model the sync loaded, and TRL logged both steps.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pyarrow.parquet as pq
+import pytest
+
+from polar_mitm import store
+from polar_mitm.harnesses.frameworks import frameworks_python
+from polar_mitm.local_engine import build
+from polar_mitm.util import free_port
+from tests.support.processes import stop_process_group
+from tests.support.rollout_runs import REPO
+
+pytestmark = [pytest.mark.engine, pytest.mark.harness]
+
+EXAMPLE = REPO / "examples" / "trl_grpo.py"
+TASK = REPO / "examples" / "agents" / "facts" / "task.yaml"
+
+
+@pytest.fixture
+def rollout_server(lora_engine: str, tmp_path: Path):
+    if not frameworks_python().exists():
+        pytest.fail(f"the agent frameworks' venv is missing ({frameworks_python()}): scripts/setup.sh installs it")
+    port, log = free_port(), tmp_path / "server.log"
+    command = [
+        sys.executable, "-m", "polar_mitm.cli", "rollout", "serve", "--port", str(port), "--upstream", lora_engine,
+        "--db", "trl.duckdb", "--confdir", "trl-conf", "--run-limit", "4",
+    ]
+    process = subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while True:
+        assert process.poll() is None, log.read_text()[-3000:]
+        try:
+            if httpx.get(url + "/health", timeout=5, trust_env=False).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.3)
+    yield url, tmp_path / "trl.duckdb", log
+    stop_process_group(process, grace=60)
+
+
+def test_trl_grpo_trainer_trains_two_steps_on_real_agent_sessions_with_the_stored_logprobs(lora_engine: str, trainer_python: str, rollout_server, tmp_path: Path) -> None:
+    url, db, log = rollout_server
+    work = tmp_path / "trainer"
+    work.mkdir()
+    command = [
+        trainer_python, str(EXAMPLE), "--server", url, "--engine", lora_engine, "--task", str(TASK),
+        "--out", "run", "--steps", "2", "--prompts", "2", "--num-generations", "2", "--received", "received.jsonl",
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1500, cwd=work, env=build.engine_python_env())
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}\nserver log:\n{log.read_text()[-3000:]}"
+    summary = json.loads((work / "run" / "summary.json").read_text())
+
+    # two optimizer steps, each logged by TRL with a finite loss; the engine got the adapter before each step's rollouts
+    assert summary["global_step"] == 2
+    steps = [entry for entry in summary["log_history"] if "loss" in entry]
+    assert [entry["step"] for entry in steps] == [1, 2] and all(math.isfinite(entry["loss"]) for entry in steps), steps
+    assert [(s["policy_version"], s["engine_model"]) for s in summary["syncs"]] == [(0, "trl-policy-v0"), (1, "trl-policy-v1")]
+
+    received = [json.loads(line) for line in (work / "received.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in received] == [0] * 4 + [1] * 4  # 2 prompts x 2 sessions per step
+    assert len({r["session_id"] for r in received}) == 8
+
+    # what TRL received is the sequence the integration chose from each task's Parquet (its last one) ...
+    tasks = httpx.get(url + "/tasks", timeout=30, trust_env=False).json()
+    chosen: dict[str, dict] = {}
+    for task in tasks:
+        for row in pq.read_table(task["trajectories"]).to_pylist():
+            chosen[row["session_id"]] = row  # file order: the last sequence of a session wins, as in samples_of
+    for entry in received:
+        sequence = chosen.get(entry["session_id"])
+        assert sequence is not None, f"{entry['session_id']} has no trainable sequence, yet TRL trained on it"
+        # ... and its logprobs are the engine's, as the store holds them, exchange by exchange
+        rows = store.query_dicts(db, "SELECT exchange_id, api, harness, status, policy_version, engine_model, completion_logprobs FROM exchanges WHERE session_id = ? ORDER BY seq", [entry["session_id"]])
+        by_id = {row["exchange_id"]: row for row in rows}
+        stored = [lp for exchange_id in sequence["exchange_ids"] for lp in by_id[exchange_id]["completion_logprobs"]]
+        assert len(stored) == len(entry["logprobs"]) > 0
+        assert max(abs(a - b) for a, b in zip(stored, entry["logprobs"], strict=True)) < 1e-5
+        # a real agent's calls, stamped with the policy that sampled them
+        assert {(row["api"], row["harness"], row["status"]) for row in rows} == {("openai_responses", "openai-agents-facts", "ok")}, rows
+        assert {(row["policy_version"], row["engine_model"]) for row in rows} == {(entry["step"], f"trl-policy-v{entry['step']}")}
+
+
+def test_the_integration_imports_without_trl_in_the_gateway_environment() -> None:
+    """The module a trainer imports needs trl only for type names: the gateway's own environment (no trl) imports it."""
+    done = subprocess.run([sys.executable, "-c", "import polar_mitm.integrations.trl as t; print(t.PolarRollouts.__name__)"], capture_output=True, text=True, env={**os.environ})
+    assert done.returncode == 0 and done.stdout.strip() == "PolarRollouts", done.stderr
