@@ -81,10 +81,13 @@ def main() -> int:
     parser.add_argument("--num-generations", type=int, default=2, help="sessions per prompt (the GRPO group)")
     parser.add_argument("--learning-rate", type=float, default=1e-4)
     parser.add_argument("--beta", type=float, default=0.0, help="KL coefficient (0: no reference model pass)")
+    parser.add_argument("--agent-env", action="append", default=[], metavar="NAME=VALUE", help="extra environment for the task's agent (e.g. its own output budget)")
     parser.add_argument("--received", type=Path, help="write what TRL's loss received, per session (JSON lines)")
     args = parser.parse_args()
 
     task = task_template(args.task.resolve())
+    agent = task.setdefault("agent", {})
+    agent["env"] = {**agent.get("env", {}), **dict(item.split("=", 1) for item in args.agent_env)}
     instruction = yaml.safe_load(args.task.read_text())["instruction"]
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32)

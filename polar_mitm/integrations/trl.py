@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import shutil
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,11 +55,13 @@ TaskTemplate = Mapping[str, Any] | Callable[[str], Mapping[str, Any]]
 class LoraSync:
     """The trainer's LoRA adapter into a vLLM engine serving runtime LoRA (`polar-mitm engine start --lora-rank R`).
     Each version is saved to `adapter_dir/v<version>` and served as `<name_prefix><version>`; the previous one is
-    unloaded once no call uses it, and its folder removed unless `keep_adapters`."""
+    unloaded once no call uses it, and its folder removed unless `keep_adapters`. The default prefix is new for
+    each run (`trl-<8 hex>-v`): vLLM refuses a name it already serves, and a run killed earlier leaves its
+    adapters loaded."""
 
     engine: str | VLLMLoraEngine
     adapter_dir: str | Path
-    name_prefix: str = "trl-policy-v"
+    name_prefix: str = field(default_factory=lambda: f"trl-{uuid.uuid4().hex[:8]}-v")
     drain_timeout: float = 300.0
     keep_adapters: bool = False
     served: str | None = field(default=None, init=False)

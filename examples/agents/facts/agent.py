@@ -16,9 +16,11 @@ import os
 import sys
 from pathlib import Path
 
-from agents import Agent, Runner, function_tool, set_tracing_disabled
+from agents import Agent, ModelSettings, Runner, function_tool, set_tracing_disabled
 
 MODEL = os.environ.get("POLAR_AGENT_MODEL", "gpt-4.1-mini")  # the gateway answers with the engine's own model
+# The agent's own output budget per model call (the Responses API's max_output_tokens); unset: none, the SDK's default
+MAX_TOKENS = int(os.environ["POLAR_AGENT_MAX_TOKENS"]) if os.environ.get("POLAR_AGENT_MAX_TOKENS") else None
 
 
 def record(tool: str, arguments: dict, result: str) -> None:
@@ -42,6 +44,7 @@ def main() -> int:
         instructions="Answer the question using only the local facts files: call lookup, then answer with the fact.",
         tools=[lookup],
         model=MODEL,
+        model_settings=ModelSettings(max_tokens=MAX_TOKENS),
     )
     result = Runner.run_sync(agent, sys.argv[1], max_turns=4)
     Path("answer.txt").write_text(str(result.final_output).strip() + "\n")
