@@ -22,6 +22,7 @@ Like `polar_mitm.client`, this module needs only httpx (no gateway dependencies)
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -171,8 +172,16 @@ def _paused_update(gateways: Sequence[Pausable], mode: str, drain_timeout: float
             gateway.resume()
         raise
     mark = time.monotonic()
-    for gateway in gateways:
-        gateway.resume(policy_version=report.policy_version, engine_model=report.engine_model)
+    try:
+        for gateway in gateways:
+            gateway.resume(policy_version=report.policy_version, engine_model=report.engine_model)
+    except BaseException:
+        # a refused resume (e.g. a version lower than the gateway's) must not leave a gateway paused for good: every
+        # gateway still paused serves again, unchanged, and the refusal is raised
+        for gateway in gateways:
+            with contextlib.suppress(Exception):
+                gateway.resume()
+        raise
     report.seconds["resume"] = time.monotonic() - mark
     report.seconds["total"] = time.monotonic() - started
 

@@ -16,8 +16,9 @@ What a call does (TRL calls it with the generation batch's prompts, each repeate
 1. Weights. When the trainer's `global_step` moved since the engine was last given its weights (and once before
    the first rollout, so step 0 samples the trainer's own starting adapter), `weights` saves the LoRA adapter and
    swaps it into the running vLLM engine between a drain and a resume of every gateway the server owns
-   (`polar_mitm.weight_sync.sync_lora`); the new policy version is the trainer's `global_step`. TRL's own vLLM
-   sync is for its `trl vllm-serve` server, which is not what serves here: keep `use_vllm=False`.
+   (`polar_mitm.weight_sync.sync_lora`). Step k is served as policy version first + k, first being one past
+   the newest version the server's gateways serve when the run starts (a gateway never goes back a version).
+   TRL's own vLLM sync is for its `trl vllm-serve` server, which is not what serves here: keep `use_vllm=False`.
 2. Rollouts. Each run of equal prompts (at most `num_generations`) becomes one TaskRequest, `task` plus the
    prompt as its instruction (a conversational prompt: its last user message; the harness writes its own system
    prompt) and the run's length as `num_samples`: one GRPO group, sampled by the harness as shipped. Every task is
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import shutil
+import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -88,30 +90,55 @@ class PolarRollouts:
     """TRL's `rollout_func` (see the module docstring). `task`: the TaskRequest fields every group shares (agent,
     runtime, evaluator, builder, timeout_seconds, metadata), or a function of the instruction giving them.
     `weights`: how the engine gets the trainer's weights (LoraSync, or any callable (trainer, server, version));
-    None: the engine's weights never change (evaluation). `timeout`: seconds for one call's tasks together."""
+    None: the engine's weights never change (evaluation). `timeout`: seconds for one call's tasks together.
+    `max_staleness`: a session any of whose tokens a policy version older than the step's own minus `max_staleness`
+    sampled is masked out like a failed one (with the sync before every call, none is; a trainer that skips syncs
+    or shares a server is what it guards). `history` holds one record per call: the step, seconds syncing and
+    rolling out, sessions, trainable sessions, the policy versions that sampled them, sessions masked as stale."""
 
     server: str | RolloutClient
     task: TaskTemplate
     weights: WeightSync | None = None
     timeout: float | None = 3600.0
     token: str | None = None
+    max_staleness: int | None = None
     synced_step: int | None = field(default=None, init=False)
     last_samples: list[Sample] = field(default_factory=list, init=False)
+    history: list[dict[str, Any]] = field(default_factory=list, init=False)
     calls: int = field(default=0, init=False)
+    first_version: int | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.client = self.server if isinstance(self.server, RolloutClient) else RolloutClient(self.server, token=self.token)
 
+    def _next_version(self) -> int:
+        """The run's first policy version: one past the newest any gateway serves (a gateway refuses a version lower
+        than its current one, and a server that served an earlier run is still on that run's last version)."""
+        nodes = self.client.control("status").get("nodes", {})
+        return 1 + max((int(status.get("policy_version") or 0) for status in nodes.values()), default=0)
+
     def __call__(self, prompts: list[Any], trainer: GRPOTrainer) -> dict[str, list[Any]]:
-        version = int(trainer.state.global_step)
-        if self.weights is not None and self.synced_step != version:
+        step = int(trainer.state.global_step)
+        if self.first_version is None:
+            self.first_version = self._next_version() if self.weights is not None else 0
+        version = self.first_version + step
+        started = time.monotonic()
+        if self.weights is not None and self.synced_step != step:
             self.weights(trainer, self.client, version)
-            self.synced_step = version
+            self.synced_step = step
+        synced = time.monotonic()
         groups = group_prompts(prompts, int(trainer.num_generations if trainer.model.training else trainer.num_generations_eval))
         requests = [self.request(prompt, count, version, index) for index, (prompt, count) in enumerate(groups)]
         samples = [sample for result in run_tasks(self.client, requests, self.timeout) for sample in samples_of(result)]
         if len(samples) != len(prompts):  # the server ran another count than asked: never misalign rewards
             raise RuntimeError(f"the rollout server returned {len(samples)} sessions for {len(prompts)} prompts")
+        stale = [s for s in samples if self.max_staleness is not None and s.trainable and min(s.sampled_versions, default=version) < version - self.max_staleness]
+        samples = [Sample(**{**vars(s), "completion_mask": [0] * len(s.completion_mask)}) if s in stale else s for s in samples]
+        self.history.append({
+            "step": step, "policy_version": version, "sync_seconds": synced - started, "rollout_seconds": time.monotonic() - synced, "sessions": len(samples),
+            "trainable": sum(s.trainable for s in samples), "policy_versions": sorted({v for s in samples for v in s.sampled_versions}),
+            "stale_masked": len(stale),
+        })
         self.last_samples, self.calls = samples, self.calls + 1
         return to_trl(samples, pad_id=_pad_id(trainer))
 

@@ -80,8 +80,10 @@ def test_trl_grpo_trainer_trains_two_steps_on_real_agent_sessions_with_the_store
     assert summary["global_step"] == 2
     steps = [entry for entry in summary["log_history"] if "loss" in entry]
     assert [entry["step"] for entry in steps] == [1, 2] and all(math.isfinite(entry["loss"]) for entry in steps), steps
-    served = {s["policy_version"]: s["engine_model"] for s in summary["syncs"]}
-    assert list(served) == [0, 1] and len(set(served.values())) == 2 and all(name.startswith("trl-") for name in served.values()), summary["syncs"]
+    # a fresh server's gateway serves version 0: the run's steps are versions 1 and 2, each its own adapter
+    served = {step: (s["policy_version"], s["engine_model"]) for step, s in enumerate(summary["syncs"])}
+    assert [v for v, _ in served.values()] == [1, 2] and len({m for _, m in served.values()}) == 2 and all(m.startswith("trl-") for _, m in served.values()), summary["syncs"]
+    assert [row["policy_versions"] for row in summary["steps"]] == [[1], [2]], summary["steps"]
 
     received = [json.loads(line) for line in (work / "received.jsonl").read_text().splitlines()]
     assert [r["step"] for r in received] == [0] * 4 + [1] * 4  # 2 prompts x 2 sessions per step
@@ -113,5 +115,5 @@ def test_trl_grpo_trainer_trains_two_steps_on_real_agent_sessions_with_the_store
         # a real agent's calls, stamped with the policy that sampled them
         assert {(row["api"], row["status"]) for row in rows} == {("openai_responses", "ok")}, rows
         assert store.query_dicts(db, "SELECT harness FROM sessions WHERE session_id = ?", [entry["session_id"]]) == [{"harness": "openai-agents-facts"}]
-        assert {(row["policy_version"], row["model_engine"]) for row in rows} == {(entry["step"], served[entry["step"]])}
+        assert {(row["policy_version"], row["model_engine"]) for row in rows} == {served[entry["step"]]}
 

@@ -81,3 +81,65 @@ def test_the_integration_imports_without_trl() -> None:
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["True", "PolarRollouts"]
+
+
+class RefusingGateway:
+    """A stand-in for one gateway's control API (the real one refuses a lower version with 409; test_control.py)."""
+
+    def __init__(self) -> None:
+        self.paused, self.calls = False, []
+
+    def pause(self, mode: str = "drain", timeout_seconds: float = 300.0) -> dict:
+        self.calls.append("pause")
+        self.paused = True
+        return {}
+
+    def resume(self, policy_version: int | None = None, engine_model: str | None = None) -> dict:
+        self.calls.append(f"resume {policy_version}")
+        if policy_version is not None:
+            raise RuntimeError("policy_version 0 is lower than the current 1")
+        self.paused = False
+        return {}
+
+
+def test_a_refused_resume_leaves_no_gateway_paused_and_is_raised() -> None:
+    from polar_mitm.weight_sync import SyncReport, _paused_update
+
+    gateways = [RefusingGateway(), RefusingGateway()]
+    with pytest.raises(RuntimeError, match="lower than the current"):
+        _paused_update(gateways, "drain", 10.0, SyncReport(0, "m"), lambda: None)
+    assert not any(g.paused for g in gateways)
+    assert gateways[0].calls == ["pause", "resume 0", "resume None"] and gateways[1].calls == ["pause", "resume None"]
+
+
+def test_a_session_sampled_by_a_too_old_version_is_masked_out(tmp_path: Path) -> None:
+    from polar_mitm.integrations import trl as integration
+
+    class Trainer:  # what PolarRollouts reads of a GRPOTrainer
+        class state:
+            global_step = 3
+
+        class model:
+            training = True
+
+        num_generations = 3
+        processing_class = type("Tokenizer", (), {"pad_token_id": 0, "eos_token_id": 2})()
+
+    rollouts = PolarRollouts("http://127.0.0.1:9", {"agent": {"harness": "qwen"}}, max_staleness=1)
+    rollouts.first_version = 2  # step 3 is version 5: a token of version 3 is two versions old
+    result = _result(tmp_path)
+    original = integration.run_tasks
+    integration.run_tasks = lambda client, requests, timeout: [result]
+    try:
+        out = rollouts(["p", "p", "p"], Trainer())
+    finally:
+        integration.run_tasks = original
+    assert out["env_mask"][0] == [1, 0, 1] and out["polar_reward"][0] == 1.0  # s1: versions 4 and 5, 4 >= 5 - 1
+    assert rollouts.history[-1]["stale_masked"] == 0 and rollouts.history[-1]["policy_version"] == 5
+    rollouts.max_staleness = 0
+    integration.run_tasks = lambda client, requests, timeout: [result]
+    try:
+        out = rollouts(["p", "p", "p"], Trainer())
+    finally:
+        integration.run_tasks = original
+    assert out["env_mask"][0] == [0] and out["polar_reward"][0] is None and rollouts.history[-1]["stale_masked"] == 1
