@@ -38,19 +38,8 @@ from peft import LoraConfig  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
+from polar_mitm.integrations.samples import task_template  # noqa: E402
 from polar_mitm.integrations.trl import LoraSync, PolarRollouts, evaluator_reward  # noqa: E402
-
-
-def task_template(path: Path) -> dict:
-    """The task file minus what each group sets (instruction, samples, id), its evaluator's path made absolute."""
-    task = yaml.safe_load(path.read_text())
-    for key in ("instruction", "num_samples", "task_id"):
-        task.pop(key, None)
-    evaluator = task.get("evaluator") or {}
-    if evaluator.get("python"):
-        file, function = evaluator["python"].rsplit(":", 1)
-        evaluator["python"] = f"{(path.parent / file).resolve()}:{function}"
-    return task
 
 
 class Recording(GRPOTrainer):
@@ -144,7 +133,7 @@ def main() -> int:
     parser.add_argument("--plot", nargs="*", type=Path, metavar="PNG [OTHER_RUN_DIR ...]", help="after the run, draw its per-step figures (and those of other runs' --out folders) into PNG")
     args = parser.parse_args()
 
-    task = task_template(args.task.resolve())
+    task = task_template(task_file=args.task)
     agent = task.setdefault("agent", {})
     agent["env"] = {**agent.get("env", {}), **dict(item.split("=", 1) for item in args.agent_env)}
     instruction = yaml.safe_load(args.task.read_text())["instruction"]

@@ -19,9 +19,11 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
+import yaml
 
 from polar_mitm.api_clients import RolloutClient
 from polar_mitm.errors import ClientError
@@ -136,3 +138,21 @@ def instruction_of(prompt: str | Sequence[Mapping[str, Any]]) -> str:
             if isinstance(content, list):
                 return "".join(part.get("text", "") for part in content if isinstance(part, Mapping))
     raise ClientError("a conversational prompt needs a user message: it becomes the harness's instruction")
+
+
+def task_template(task: Mapping[str, Any] | None = None, task_file: str | Path | None = None) -> dict[str, Any]:
+    """The fields every sample's task shares: `task` as given, or a task file's (minus instruction, samples and id;
+    an evaluator's relative path resolved against the file's folder)."""
+    if (task is None) == (task_file is None):
+        raise ClientError("give exactly one of a task (its fields) and a task file")
+    if task is not None:
+        return dict(task)
+    path = Path(task_file).resolve()  # type: ignore[arg-type]
+    loaded = yaml.safe_load(path.read_text())
+    for key in ("instruction", "num_samples", "task_id"):
+        loaded.pop(key, None)
+    evaluator = loaded.get("evaluator") or {}
+    if evaluator.get("python"):
+        file, function = evaluator["python"].rsplit(":", 1)
+        evaluator["python"] = f"{(path.parent / file).resolve()}:{function}"
+    return loaded

@@ -32,32 +32,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
-import yaml
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
 
 from polar_mitm.api_clients import AsyncRolloutClient
-from polar_mitm.integrations.samples import Sample, instruction_of, samples_of
-
-
-def task_template(task: Mapping[str, Any] | None = None, task_file: str | Path | None = None) -> dict[str, Any]:
-    """The fields every sample's task shares: `task` as given, or a task file's (minus instruction, samples and id;
-    an evaluator's relative path resolved against the file's folder)."""
-    if (task is None) == (task_file is None):
-        raise ValueError("PolarAgentLoop takes exactly one of task and task_file")
-    if task is not None:
-        return dict(task)
-    path = Path(task_file).resolve()  # type: ignore[arg-type]
-    loaded = yaml.safe_load(path.read_text())
-    for key in ("instruction", "num_samples", "task_id"):
-        loaded.pop(key, None)
-    evaluator = loaded.get("evaluator") or {}
-    if evaluator.get("python"):
-        file, function = evaluator["python"].rsplit(":", 1)
-        evaluator["python"] = f"{(path.parent / file).resolve()}:{function}"
-    return loaded
+from polar_mitm.integrations.samples import Sample, instruction_of, samples_of, task_template
 
 
 def agent_loop_output(sample: Sample, result: Mapping[str, Any], fallback_prompt: list[int], pad_id: int, response_length: int | None = None) -> AgentLoopOutput:

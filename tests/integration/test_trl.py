@@ -17,8 +17,6 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -28,9 +26,8 @@ import pytest
 from polar_mitm import store
 from polar_mitm.harnesses.frameworks import frameworks_python
 from polar_mitm.local_engine import build
-from polar_mitm.util import free_port
 from tests.support.processes import stop_process_group
-from tests.support.rollout_runs import REPO
+from tests.support.rollout_runs import REPO, serve
 
 pytestmark = [pytest.mark.engine, pytest.mark.harness]
 
@@ -42,25 +39,10 @@ TASK = REPO / "examples" / "agents" / "facts" / "task.yaml"
 def rollout_server(lora_engine: str, tmp_path: Path):
     if not frameworks_python().exists():
         pytest.fail(f"the agent frameworks' venv is missing ({frameworks_python()}): scripts/setup.sh installs it")
-    port, log = free_port(), tmp_path / "server.log"
-    command = [
-        sys.executable, "-m", "polar_mitm.cli", "rollout", "serve", "--port", str(port), "--upstream", lora_engine,
-        "--db", "trl.duckdb", "--confdir", "trl-conf", "--run-limit", "4",
-    ]
-    process = subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while True:
-        assert process.poll() is None, log.read_text()[-3000:]
-        try:
-            if httpx.get(url + "/health", timeout=5, trust_env=False).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, log.read_text()[-3000:]
-        time.sleep(0.3)
-    yield url, tmp_path / "trl.duckdb", log
-    stop_process_group(process, grace=60)
+    server = serve(["--upstream", lora_engine, "--db", "trl.duckdb", "--confdir", "trl-conf", "--run-limit", "4"], tmp_path, tmp_path / "server.log")
+    yield server.url, tmp_path / "trl.duckdb", server.log
+    server.client.close()
+    stop_process_group(server.process, grace=60)
 
 
 def test_trl_grpo_trainer_trains_two_steps_on_real_agent_sessions_with_the_stored_logprobs(lora_engine: str, trainer_python: str, rollout_server, tmp_path: Path) -> None:

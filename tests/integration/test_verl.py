@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -24,9 +22,8 @@ import pytest
 from polar_mitm import store
 from polar_mitm.harnesses.frameworks import frameworks_python
 from polar_mitm.local_engine import build
-from polar_mitm.util import free_port
 from tests.support.processes import stop_process_group
-from tests.support.rollout_runs import REPO
+from tests.support.rollout_runs import REPO, serve
 
 pytestmark = [pytest.mark.engine, pytest.mark.harness]
 
@@ -42,24 +39,9 @@ def verl_python() -> str:
 
 def test_verl_agent_loop_outputs_are_real_sessions_with_the_stored_tokens(engine_url: str, verl_python: str, tmp_path: Path) -> None:
     assert frameworks_python().exists(), f"the agent frameworks' venv is missing ({frameworks_python()}): scripts/setup.sh installs it"
-    port, log = free_port(), tmp_path / "server.log"
-    server = subprocess.Popen(
-        [sys.executable, "-m", "polar_mitm.cli", "rollout", "serve", "--port", str(port), "--upstream", engine_url, "--db", "verl.duckdb",
-         "--confdir", "verl-conf", "--render", "tokens", "--engine-hook", HOOK],
-        stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
+    server = serve(["--upstream", engine_url, "--db", "verl.duckdb", "--confdir", "verl-conf", "--render", "tokens", "--engine-hook", HOOK], tmp_path, tmp_path / "server.log")
+    url, log = server.url, server.log
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert server.poll() is None, log.read_text()[-3000:]
-            try:
-                if httpx.get(url + "/health", timeout=5, trust_env=False).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.3)
         done = subprocess.run(
             [verl_python, str(EXAMPLE), "--server", url, "--task", str(TASK), "--model", str(build.model_dir(build.engine_home(), "qwen3-tiny")), "--samples", "2", "--out", "verl.json"],
             capture_output=True, text=True, timeout=600, cwd=tmp_path, env=build.engine_python_env(),
@@ -68,7 +50,8 @@ def test_verl_agent_loop_outputs_are_real_sessions_with_the_stored_tokens(engine
         outputs = json.loads((tmp_path / "verl.json").read_text())
         tasks = httpx.get(url + "/tasks", timeout=30, trust_env=False).json()
     finally:
-        stop_process_group(server, grace=60)
+        server.client.close()
+        stop_process_group(server.process, grace=60)
 
     assert len(outputs) == 2 and len(tasks) == 2  # one one-sample task per verl sample
     sequences = {row["session_id"]: row for task in tasks for row in pq.read_table(task["trajectories"]).to_pylist() if row["trainable"]}

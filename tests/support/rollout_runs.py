@@ -62,6 +62,30 @@ class RolloutServer:
         return self.log.read_text(errors="replace")[-3000:]
 
 
+def serve(options: list[str], cwd: Path, log: Path, timeout: float = 90) -> RolloutServer:
+    """`polar-mitm rollout serve --port P OPTIONS...` run from `cwd` (relative paths as a user gives them), once its
+    /health answers; stop it with `stop_process_group(server.process, grace)`."""
+    import sys
+
+    from polar_mitm.util import free_port
+
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "polar_mitm.cli", "rollout", "serve", "--port", str(port), *options], stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True)
+    server = RolloutServer(f"http://127.0.0.1:{port}", cwd / "store.duckdb", log, process)
+    deadline = time.monotonic() + timeout
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"rollout server exited with {process.returncode}:\n{server.log_tail()}")
+        try:
+            if server.client.get("/health").status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rollout server did not come up:\n{server.log_tail()}")
+        time.sleep(0.3)
+
+
 class Receiver(CallbackEndpoint):
     """A trainer's callback endpoint. It counts a result once per delivery id (as a trainer should), and can
     answer the first attempts of chosen deliveries with errors (`fail_first[kind] = n`)."""
