@@ -59,11 +59,14 @@ class Recording(GRPOTrainer):
             trainer_logps, _, _ = self._get_per_token_logps_and_entropies(self.model, ids, attention, out["completion_ids"].size(1))
         delta = (trainer_logps - sampling)[mask]
         ratio = torch.exp(delta)
+        # the same check with the mask one token off (each stored logprob against the next token's): it must fail
+        shifted = (trainer_logps[:, 1:] - sampling[:, :-1])[mask[:, :-1] & mask[:, 1:]]
         self.mismatch.append({
             "step": self.state.global_step, "tokens": int(mask.sum()),
             "mismatch_mean": float(delta.abs().mean()) if delta.numel() else None, "mismatch_max": float(delta.abs().max()) if delta.numel() else None,
             "ratio_std": float(ratio.std()) if delta.numel() > 1 else None, "ratio_min": float(ratio.min()) if delta.numel() else None,
             "ratio_max": float(ratio.max()) if delta.numel() else None,
+            "shifted_mismatch_mean": float(shifted.abs().mean()) if shifted.numel() else None,
         })
         if self.received is not None:
             with self.received.open("a") as file:
