@@ -26,7 +26,7 @@ from polar_mitm.errors import ControlError
 from tests.support.gatewayproc import Gateway
 from tests.support.harness_runs import HOOK, check_run, run_harness
 from tests.support.keepalive_cases import BASELINE_MARKS, CASES, KEEPALIVE_MARK
-from tests.support.matrix import harness_matrix
+from tests.support.matrix import harness_matrix, long_case
 from tests.support.upstream_standins import DelayedEngineRelay
 
 # the random-weight test model rarely samples EOS: a call runs to max_tokens, long enough to be caught mid-turn
@@ -340,6 +340,7 @@ def check_held(name: str, row: dict, resumed_at: datetime) -> None:
     assert row["response_stream"].count(KEEPALIVE_MARK[name]) >= waited - 3 + BASELINE_MARKS[name], (name, waited)
 
 
+@long_case  # ~1.5 min; the drain with four sessions mid-turn is test_drain_with_four_sessions_mid_turn, real harnesses paused: test_abort_reissues_a_real_harness_call
 @pytest.mark.harness
 def test_drain_with_four_real_harnesses_mid_turn(installed, make_gateway, engine_url, session_id, tmp_path, monkeypatch):
     names = ["qwen", "codex", "claude", "gemini"]

@@ -24,6 +24,7 @@ import pytest
 from polar_mitm.local_engine.steering import has_tool_result, shell_tool
 from polar_mitm.rollout.runtimes.local import marked_processes
 from tests.support.gated_engine import GatedEngineRelay
+from tests.support.matrix import long_case
 from tests.support.ray_runs import (
     NODES,
     end_sessions_left,
@@ -260,6 +261,7 @@ def test_a_trainer_runs_a_task_through_the_python_entry_point_in_its_own_ray_job
     assert seen["actors_left"] == [] and seen["ray_connected"] is True
 
 
+@long_case  # ~3 min; the head's queue order by priority: test_ray_dispatch.py
 def test_a_higher_dispatch_priority_goes_first_through_limited_slots(ray_cluster, engine_url: str, harness_installed: None, tmp_path: Path) -> None:
     """One node open (the others drained): two slots (one preparing, one running). A busy task fills them; a task
     with priority 0 is queued, then one with priority 90. The later, higher-priority task's sessions are dispatched
@@ -311,6 +313,7 @@ def every_node_probed(server: RolloutServer) -> dict[str, Any] | None:
     return health if len(by_node) == len(NODES) and None not in by_node.values() else None
 
 
+@long_case  # ~1.5 min; pause/resume through a server: test_clients.py, the drain itself: test_control.py
 def test_pause_drains_every_node_s_gateway_and_resume_versions_every_node_s_later_rows(ray_cluster, engine_url: str, harness_installed: None, tmp_path: Path) -> None:
     relay = GatedEngineRelay(engine_url, held=first_agent_turn)
     server = start_server(ray_cluster, relay.url, tmp_path)

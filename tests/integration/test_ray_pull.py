@@ -22,6 +22,7 @@ import psutil
 import pyarrow.parquet as pq
 import pytest
 
+from tests.support.matrix import long_case
 from tests.support.ray_runs import (
     LOOPBACK_ENV,
     ray_startup_priority,
@@ -96,6 +97,7 @@ def _children(pid: int) -> list[psutil.Process]:
         return []
 
 
+@long_case  # ~3 min with its own cluster; SQL over every node's store: test_ray.py's six-session test
 def test_a_node_on_a_disk_the_head_cannot_see_is_pulled_into_sql_and_trajectories(split_disk_cluster, engine_url: str, harness_installed: None) -> None:
     cluster, base, worker = split_disk_cluster
     server = start_server(cluster, engine_url, base, db=base / "store.duckdb", nodes=NODES)

@@ -25,6 +25,7 @@ from polar_mitm.client import GatewayControl, load_batch
 from polar_mitm.local_engine import build
 from polar_mitm.weight_sync import VLLMLoraEngine, sync_lora
 from tests.support.gatewayproc import Gateway
+from tests.support.matrix import long_case
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = build.model_dir(build.engine_home(), "smollm2")
@@ -103,6 +104,7 @@ def test_recomputed_logprobs_match_the_stored_ones_and_a_shifted_mask_does_not(l
     assert shifted["mean_abs"] > 10 * MEAN_TOLERANCE and shifted["max_abs"] > 5 * MAX_TOLERANCE, shifted
 
 
+@long_case  # ~4 min; the loop runs in test_the_grpo_example_commands_run_as_documented (2 steps) and test_trl.py
 def test_grpo_loop_closes_three_steps(lora_engine: str, trainer_python: str, make_gateway, session_id: str, tmp_path: Path) -> None:
     gateway = make_gateway(upstream=lora_engine)
     prefix = f"loop-{session_id[-8:]}-v"  # the engine is shared: adapter names of this test's own
