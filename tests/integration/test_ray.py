@@ -98,6 +98,7 @@ def nodes_status(server: RolloutServer) -> dict[str, dict[str, Any]]:
     return {n["name"]: n for n in server.client.get("/nodes").json()["nodes"]}
 
 
+@long_case  # ~2 min; every session accounted for after a kill: test_head_restart_loses_no_task... and test_rollout_durable.py
 def test_a_node_killed_mid_task_every_session_accounted_for_and_its_store_comes_back(ray_cluster, cluster_server: RolloutServer, engine_url: str) -> None:
     # 7 sessions, 2 admitted per node: 6 dispatched at once (one running, one waiting per node), 1 in the head queue
     accepted = cluster_server.submit(sleeping_task("ray-kill", engine_url, 7, 20))

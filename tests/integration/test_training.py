@@ -161,6 +161,7 @@ def unload_adapters(lora_engine: str, prefix: str) -> None:
         engine.unload(name)
 
 
+@long_case  # ~1 min; the loop itself: test_the_grpo_example_commands_run_as_documented_from_a_fresh_folder
 def test_grpo_loop_rerun_on_a_warm_gateway_samples_the_trainers_starting_weights(lora_engine: str, trainer_python: str, make_gateway, session_id: str, tmp_path: Path) -> None:
     """The second run of the loop against a gateway the first left serving its trained adapter: its step 0 must not be
     sampled by that adapter (the fresh trainer is at the base weights) but by the untrained one, as a new version."""
@@ -184,6 +185,7 @@ def test_grpo_loop_rerun_on_a_warm_gateway_samples_the_trainers_starting_weights
     assert [n for n in served_after if n.startswith(prefix)] == [prefix + "3"], served_after  # the earlier run's adapter is unloaded
 
 
+@long_case  # ~1 min; the mismatch measure itself: test_recomputed_logprobs_match_the_stored_ones_and_a_shifted_mask_does_not
 def test_grpo_loop_stops_when_the_mismatch_passes_its_tolerance(lora_engine: str, trainer_python: str, make_gateway, session_id: str, tmp_path: Path) -> None:
     """--max-mismatch below the bf16-vs-fp32 level every step has (mean |Δ| 0.02-0.064): the loop must stop at step 0,
     exit 1 with one line, and sync nothing."""
