@@ -103,7 +103,7 @@ def main() -> int:
         tokens = args.render == "tokens"
         engine = fuzz_wire.StubEngine(base / "stub.log", fuzz_wire.tokens_model_dir() if tokens else None)
         try:
-            gateway = fuzz_wire.start_gateway(base, engine.url, *(["--render", "tokens"] if tokens else []))
+            gateway = fuzz_wire.start_gateway(base, engine.url, "--render", args.render)
             started = time.monotonic()
             try:
                 until = started + args.time_limit

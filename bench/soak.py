@@ -246,7 +246,7 @@ def main() -> int:
         engine.start().wait(60)
         phases = set(args.only or ("chat", "tokens", "rollout")) - ({"rollout"} if args.skip_rollout else set())
         if "chat" in phases:
-            runs.append(gateway_phase("chat", tmp, engine, args, plan, plan.chat_seconds, [], kill_at=0.6))
+            runs.append(gateway_phase("chat", tmp, engine, args, plan, plan.chat_seconds, ["--render", "chat"], kill_at=0.6))
         if "tokens" not in phases:
             pass
         elif (model_dir / "tokenizer.json").exists():

@@ -87,7 +87,10 @@ def rollout_phase(tmp: Path, engine_url: str, plan: RolloutPlan, seed: int) -> d
     port = free_port()
     db, log = base / "store.duckdb", base / "server.log"
     command = [sys.executable, "-m", "polar_mitm.cli", "rollout", "serve", "--port", str(port), "--upstream", engine_url, "--db", str(db),
-               "--confdir", str(base / "confdir"), "--run-limit", str(plan.tasks * plan.samples), "--prepare-limit", str(plan.tasks * plan.samples), "-v"]
+               "--confdir", str(base / "confdir"), "--run-limit", str(plan.tasks * plan.samples), "--prepare-limit", str(plan.tasks * plan.samples), "-v",
+               # chat mode: the stand-in engine ends a session when it sees the tool's result among the messages (token
+               # ids it cannot read: in tokens mode it would call the tool until the harness gives up)
+               "--render", "chat"]
     receiver = Receiver()
     figures: dict[str, Any] = {}
     orphans: list[int] = []

@@ -53,6 +53,16 @@ def gateway(engine_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     gw.stop()
 
 
+@pytest.fixture(scope="session")
+def chat_gateway(engine_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    """One real gateway in chat mode (`--render chat`: the engine renders the messages) for the tests that check what
+    a dialect hands the engine as messages; the default, `gateway`, is auto (tokens mode on this engine)."""
+    base = tmp_path_factory.mktemp("chat-gateway")
+    gw = Gateway(port=free_port(), db=base / "store.duckdb", confdir=base / "confdir", upstream=engine_url, args=["--render", "chat"]).start()
+    yield gw
+    gw.stop()
+
+
 @pytest.fixture
 def make_gateway(tmp_path_factory: pytest.TempPathFactory, engine_url: str) -> Iterator:
     """Start extra gateways with their own options (dead upstream, --require-auth, ...)."""

@@ -208,7 +208,16 @@ class PolarAddon:
         gc.freeze()
         engine = f"{self.engine.kind} {self.engine.base_url} serving {model!r}" if self.engine and model else (f"{self.engine.kind} {self.engine.base_url} (not answering yet)" if self.engine else "none")
         # printed, not logged: without -v this is the one line that says the gateway is up
-        print(f"polar-mitm gateway: listening on {self.proxy_url()}, store {Path(ctx.options.polar_db).resolve()}, engine {engine}, render {ctx.options.polar_render}", file=self.start_line or sys.stdout, flush=True)
+        print(f"polar-mitm gateway: listening on {self.proxy_url()}, store {Path(ctx.options.polar_db).resolve()}, engine {engine}, render {self._render_said()}", file=self.start_line or sys.stdout, flush=True)
+
+    def _render_said(self) -> str:
+        """The render mode for the start line: as asked, and for auto the mode it chose (its reason, if chat, is the
+        warning line before)."""
+        asked = ctx.options.polar_render
+        if asked != "auto":
+            return asked
+        chosen = self.tokens.chosen if self.tokens is not None else "chat"
+        return f"auto: {chosen}" if chosen else "auto (tokens or chat: chosen when the engine answers)"
 
     def _engine_changed(self, reach: Reachability) -> None:
         """An engine URL stopped or started answering: said once per change, not per call (a harness retrying

@@ -169,13 +169,14 @@ OPTIONS: tuple[Option, ...] = (
         "function applied to each engine request (sampling params, structured outputs)", metavar="MODULE:FUNC",
     ),
     Option(
-        "render", str, "chat",
-        "Who renders the prompt: chat (the engine applies its chat template to the messages), tokens (the gateway renders it "
-        "with the model's template, bridges the turns of a lineage token-exactly and calls the engine with token ids), or auto "
-        "(tokens wherever the model's tokenizer and chat template load here and its tool-call format has a parser; chat "
-        "otherwise, with one warning saying why).",
-        "chat: the engine renders prompts (default); tokens: the gateway renders them, bridges turns, calls the engine token-in; "
-        "auto: tokens where it can, else chat with a warning",
+        "render", str, "auto",
+        "Who renders the prompt: auto, the default (tokens wherever the model's tokenizer and chat template load here and its "
+        "tool-call format has a parser; chat otherwise, with one warning saying why), tokens (the gateway renders it with the "
+        "model's template, bridges the turns of a lineage token-exactly and calls the engine with token ids), or chat (the "
+        "engine applies its chat template to the messages). Auto is the default because it trains best: in chat mode a turn "
+        "the engine re-renders differently from what it sampled splits the session's trajectory.",
+        "auto: tokens where it can, else chat with a warning (default); tokens: the gateway renders prompts, bridges turns, "
+        "calls the engine token-in; chat: the engine renders them",
         choices=Choices("polar_mitm.render.serve:RENDER_MODES"),
     ),
     Option(

@@ -98,6 +98,14 @@ class TokenPath:
             return False
         return True
 
+    @property
+    def chosen(self) -> str | None:
+        """The mode the calls get, once known: tokens (the renderer loaded, or tokens mode was asked for), chat (auto
+        mode fell back), None (auto mode, and the engine has not answered yet: chosen at the first call)."""
+        if not self.fallback or self._renderer is not None:
+            return "tokens"
+        return "chat" if self._load_error is not None else None
+
     def _tool_format(self, renderer: Renderer) -> str:
         """The tool parser: the one asked for, or (auto) the one for the format the template writes tool calls in."""
         if self.tool_format != parsers.AUTO:

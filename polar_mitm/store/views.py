@@ -37,10 +37,41 @@ def _completed_statuses() -> str:
     return ", ".join(f"'{status}'" for status in sorted(COMPLETED_STATUSES))
 
 
+def _sent(row: str) -> tuple[str, str]:
+    """SQL for the messages and tools a request carried (`row`: the table alias): what the engine got as a chat request
+    (chat mode), else (tokens mode, where the engine got token ids, or no engine call) what the harness sent, counted
+    as its dialect hands it on (a system prompt or instructions count as one message, Gemini's function
+    declarations one tool each)."""
+    body = f"CASE WHEN json_valid({row}.request_body) THEN {row}.request_body END"
+
+    def items(path: str) -> str:
+        return f"CASE json_type({body}, '{path}') WHEN 'ARRAY' THEN json_array_length({body}, '{path}') WHEN 'VARCHAR' THEN 1 ELSE 0 END"
+
+    def present(path: str) -> str:
+        return f"(({body} ->> '{path}') IS NOT NULL)::INTEGER"
+
+    harness_messages = (
+        f"CASE {row}.api WHEN 'openai_chat' THEN {items('$.messages')} "
+        f"WHEN 'anthropic_messages' THEN {items('$.messages')} + {present('$.system')} "
+        f"WHEN 'openai_responses' THEN {items('$.input')} + {present('$.instructions')} "
+        f"WHEN 'gemini' THEN {items('$.contents')} + {present('$.systemInstruction')} END"
+    )
+    harness_tools = f"CASE {row}.api WHEN 'gemini' THEN len(json_extract({body}, '$.tools[*].functionDeclarations[*]')) ELSE {items('$.tools')} END"
+    chat = f"({row}.engine_request -> '$.messages') IS NOT NULL"
+    return (
+        f"CASE WHEN {chat} THEN json_array_length({row}.engine_request -> '$.messages') ELSE {harness_messages} END",
+        f"CASE WHEN {chat} THEN coalesce(json_array_length({row}.engine_request -> '$.tools'), 0) ELSE coalesce({harness_tools}, 0) END",
+    )
+
+
+TIMELINE_MESSAGES, TIMELINE_TOOLS = _sent("e")
+SIZES_MESSAGES, SIZES_TOOLS = _sent("material")
+
+
 VIEWS: dict[str, View] = {
     "session_timeline": View(
-        "One row per exchange, in session order: api, harness, status, replay flag, messages and tools sent, prompt and "
-        "sampled token counts, whether the prompt extends the previous trajectory exchange of the session token for token "
+        "One row per exchange, in session order: api, harness, status, replay flag, messages and tools sent (the chat "
+        "request the engine got; in tokens mode, where it got token ids, the harness's request), prompt and sampled token counts, whether the prompt extends the previous trajectory exchange of the session token for token "
         "(extends_previous; NULL on the first), the new prompt tokens it adds, and latencies.",
         f"""
         WITH material AS (
@@ -50,8 +81,8 @@ VIEWS: dict[str, View] = {
         )
         SELECT e.session_id, e.seq, e.api, e.harness, e.status, coalesce(e.replay, false) AS replay, e.model_requested,
                e.stream, e.finish_reason,
-               json_array_length(e.engine_request -> '$.messages') AS messages,
-               coalesce(json_array_length(e.engine_request -> '$.tools'), 0) AS tools,
+               {TIMELINE_MESSAGES} AS messages,
+               {TIMELINE_TOOLS} AS tools,
                len(e.prompt_token_ids) AS prompt_len, len(e.completion_token_ids) AS completion_len,
                e.prompt_token_ids[1:len(m.previous)] = m.previous AS extends_previous,
                CASE WHEN e.prompt_token_ids[1:len(m.previous)] = m.previous THEN len(e.prompt_token_ids) - len(m.previous) END AS new_prompt_tokens,
@@ -86,8 +117,8 @@ VIEWS: dict[str, View] = {
                quantile_disc(len(prompt_token_ids), 0.5) AS median_prompt_tokens,
                quantile_disc(len(prompt_token_ids), 0.9) AS p90_prompt_tokens,
                max(len(prompt_token_ids)) AS max_prompt_tokens,
-               round(avg(json_array_length(engine_request -> '$.messages')), 1) AS avg_messages,
-               round(avg(coalesce(json_array_length(engine_request -> '$.tools'), 0)), 1) AS avg_tools,
+               round(avg({SIZES_MESSAGES}), 1) AS avg_messages,
+               round(avg({SIZES_TOOLS}), 1) AS avg_tools,
                round(avg(length(request_body)))::BIGINT AS avg_request_chars
         FROM material GROUP BY ALL ORDER BY harness, api""",
     ),

@@ -86,7 +86,7 @@ def test_agent_tool_turn(installed, make_gateway, name: str, session_id: str, tm
     rows = check_run(gateway, name, session_id, tmp_path, result, shell_arguments=shell_arguments(name, proof_command()), append_only=AGENTS[name].append_only)
     check_provider(name, rows)
     sequences = len(assemble(gateway.db, builder="prefix_merging", session=session_id).sequences)
-    print(f"\nagent: {name} mode=chat hook=steer exchanges={len(rows)} sequences={sequences} {time.monotonic() - started:.1f}s")
+    print(f"\nagent: {name} mode={rows[0]['render_mode']} hook=steer exchanges={len(rows)} sequences={sequences} {time.monotonic() - started:.1f}s")
 
 
 def check_two_calls(gateway, name: str, session_id: str, workdir: Path, result: subprocess.CompletedProcess, mode: str) -> list[dict]:

@@ -32,6 +32,13 @@ from tests.support.gatewayproc import Gateway, proxy_env
 
 pytestmark = pytest.mark.engine
 
+
+@pytest.fixture
+def gateway(chat_gateway: Gateway) -> Gateway:
+    """The shared gateway in chat mode (`--render chat`): the breaks this module diagnoses are the engine re-rendering
+    what it sampled (tokens mode bridges them: tests/integration/test_tokens_gateway.py)."""
+    return chat_gateway
+
 TOOLS = [
     {
         "type": "function",

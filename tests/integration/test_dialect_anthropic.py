@@ -15,6 +15,14 @@ from polar_mitm.dialects import reasoning
 from tests.support.anthropic_stream import assert_anthropic_grammar, sse_events
 from tests.support.gatewayproc import Gateway, proxy_env
 
+
+@pytest.fixture
+def gateway(chat_gateway: Gateway) -> Gateway:
+    """The shared gateway in chat mode (`--render chat`): this module checks what the Anthropic dialect hands the
+    engine as a chat request. Tokens mode's engine requests are tests/integration/test_tokens_gateway.py's."""
+    return chat_gateway
+
+
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "anthropic"
 MODEL = "claude-opus-4-8"
 BASH_TOOL = {
@@ -316,7 +324,8 @@ def test_bad_requests_get_anthropic_errors_and_rows(gateway: Gateway, session_id
 def test_split_reasoning_round_trips_through_the_thinking_signature(make_gateway: Any, session_id: str) -> None:
     """The engine answers `<think>...</think>` inline before a tool call; the client gets a thinking block with its
     signature, streamed as non-streamed, and sending the turn back gives the engine what it sampled."""
-    gateway = make_gateway("--split-reasoning")
+    # --split-reasoning is for an engine that returns reasoning inline: chat mode's (tokens mode splits it itself)
+    gateway = make_gateway("--render", "chat", "--split-reasoning")
     thought = "The user wants the files; Bash can list them."
     sampled = f"<think>\n{thought}\n</think>\n\n{FORCED_CALL}"
     user = {"role": "user", "content": "List the files"}

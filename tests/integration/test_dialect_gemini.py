@@ -18,6 +18,14 @@ from tests.support import steer_gemini
 from tests.support.gatewayproc import Gateway, proxy_env
 from tests.support.gemini_stream import is_keepalive, sse_events
 
+
+@pytest.fixture
+def gateway(chat_gateway: Gateway) -> Gateway:
+    """The shared gateway in chat mode (`--render chat`): this module checks what the Gemini dialect hands the engine
+    as a chat request. Tokens mode's engine requests are tests/integration/test_tokens_gateway.py's."""
+    return chat_gateway
+
+
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "gemini"
 STEER_HOOK = f"{Path(steer_gemini.__file__)}:steer"
 MODEL = "gemini-2.5-flash"
@@ -108,7 +116,7 @@ def test_text_stream_accumulates_the_non_streamed_answer(gateway: Gateway, sessi
 
 
 def test_function_call_then_result_two_turns(make_gateway: Any, session_id: str) -> None:
-    gateway = make_gateway("--engine-hook", STEER_HOOK)
+    gateway = make_gateway("--render", "chat", "--engine-hook", STEER_HOOK)  # chat mode, as the module's `gateway`
     client = sdk_client(gateway, session_id)
     config = types.GenerateContentConfig(tools=[WEATHER_TOOL], max_output_tokens=64, temperature=0)
     question = types.Content(role="user", parts=[types.Part(text="Weather in Paris?")])
@@ -216,7 +224,8 @@ def test_bad_requests_get_google_errors_and_are_recorded(gateway: Gateway, sessi
 def test_split_reasoning_round_trips_through_thought_signature(make_gateway: Any, session_id: str, engine_url: str) -> None:
     """The engine answers `<think>...</think>` inline before a tool call; google-genai gets a thought part with its
     thoughtSignature, streamed as non-streamed, and sending its Content back gives the engine what it sampled."""
-    gateway = make_gateway("--split-reasoning", "--engine-hook", f"{Path(steer_gemini.__file__)}:steer_thinking")
+    # --split-reasoning is for an engine that returns reasoning inline: chat mode's (tokens mode splits it itself)
+    gateway = make_gateway("--render", "chat", "--split-reasoning", "--engine-hook", f"{Path(steer_gemini.__file__)}:steer_thinking")
     client = sdk_client(gateway, session_id)
     config = types.GenerateContentConfig(
         tools=[WEATHER_TOOL],

@@ -16,6 +16,14 @@ from polar_mitm.dialects import reasoning
 from tests.support.gatewayproc import Gateway, proxy_env
 from tests.support.responses_stream import accumulate, outline, sse_events
 
+
+@pytest.fixture
+def gateway(chat_gateway: Gateway) -> Gateway:
+    """The shared gateway in chat mode (`--render chat`): this module checks what the Responses dialect hands the
+    engine as a chat request. Tokens mode's engine requests are tests/integration/test_tokens_gateway.py's."""
+    return chat_gateway
+
+
 MODEL = "gpt-5.5"
 SHELL_TOOL = {
     "type": "function",
@@ -241,7 +249,8 @@ def test_bad_input_gets_openai_errors_is_recorded_and_the_gateway_keeps_serving(
 def test_split_reasoning_round_trips_through_encrypted_content(make_gateway: Any, session_id: str, engine_url: str) -> None:
     """The engine answers `<think>...</think>` inline before a tool call; the client gets a reasoning item with
     encrypted_content, streamed as non-streamed, and sending the items back gives the engine what it sampled."""
-    gateway = make_gateway("--split-reasoning")
+    # --split-reasoning is for an engine that returns reasoning inline: chat mode's (tokens mode splits it itself)
+    gateway = make_gateway("--render", "chat", "--split-reasoning")
     thought = "The user wants the files listed, so I run ls."
     arguments = {"cmd": "ls"}
     user = {"role": "user", "content": "List the files."}

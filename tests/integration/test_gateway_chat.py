@@ -22,6 +22,15 @@ from polar_mitm.util import free_port
 from tests.support.gatewayproc import Gateway, listening, proxy_env
 from tests.support.upstream_standins import StandinUpstream
 
+
+@pytest.fixture
+def gateway(chat_gateway: Gateway) -> Gateway:
+    """The shared gateway in chat mode (`--render chat`): this module checks the Chat Completions request as the engine
+    got it (its messages, tools and sampling). Tokens mode's engine requests are
+    tests/integration/test_tokens_gateway.py's."""
+    return chat_gateway
+
+
 pytestmark = pytest.mark.engine
 
 SHELL_TOOL = {
@@ -349,7 +358,8 @@ def test_sglang_engine_token_ids(make_gateway, session_id: str) -> None:
 
 def test_split_reasoning_round_trip(make_gateway, session_id: str) -> None:
     """An engine without a reasoning parser returns <think> inline; --split-reasoning maps it to reasoning_content."""
-    gateway = make_gateway("--split-reasoning")
+    # --split-reasoning is for an engine that returns reasoning inline: chat mode's (tokens mode splits it itself)
+    gateway = make_gateway("--render", "chat", "--split-reasoning")
     forced = "<think>\nThe user greets me.\n</think>\n\nHello!"
     body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "temperature": 0, "structured_outputs": {"regex": regex_for(forced)}}
     reply = _post(gateway, session_id, body).json()["choices"][0]["message"]

@@ -43,7 +43,9 @@ def test_keepalives_carry_a_harness_through_a_slow_engine(installed, name, make_
     slowed = case.get("slowed", every_call)
     relays = {run: DelayedEngineRelay(engine_url, case["delay"], slowed) for run in ("kept", "silent")}
     try:
-        gateways = {run: make_gateway("--engine-hook", HOOK, "--keepalive-interval", interval, upstream=relays[run].url) for run, interval in (("kept", "1"), ("silent", "0"))}
+        # chat mode: the relay picks the turns to slow, and the test the turns left unsent, by the messages the
+        # engine gets (keepalives are written the same way in both render modes: tests/unit/test_stream_parts.py)
+        gateways = {run: make_gateway("--render", "chat", "--engine-hook", HOOK, "--keepalive-interval", interval, upstream=relays[run].url) for run, interval in (("kept", "1"), ("silent", "0"))}
         retried = _retried(gateways["silent"], session_id, relays["silent"]) if case.get("stop_at_retry") else None
         with ThreadPoolExecutor(2) as pool:
             kept = pool.submit(_run, gateways["kept"], name, session_id, tmp_path / "kept", case.get("options", ()))

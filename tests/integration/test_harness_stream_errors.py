@@ -58,7 +58,9 @@ def test_a_harness_retries_a_turn_after_an_error_inside_the_stream(installed, na
     case = CASES[name]
     relays = {"clean": DelayedEngineRelay(engine_url, 0.0, slowed=lambda request: False), "failed": DelayedEngineRelay(engine_url, FAIL_AFTER_S, failing=_first_agent_turn)}
     try:
-        gateways = {run: make_gateway("--engine-hook", HOOK, upstream=relay.url) for run, relay in relays.items()}
+        # chat mode: the relay picks the turn to fail by the messages and tools the engine gets (an error inside a
+        # stream is written the same way in both render modes: tests/unit/test_stream_parts.py)
+        gateways = {run: make_gateway("--render", "chat", "--engine-hook", HOOK, upstream=relay.url) for run, relay in relays.items()}
         with ThreadPoolExecutor(2) as pool:
             futures = {run: pool.submit(_run, gateways[run], name, session_id, tmp_path / run) for run in relays}
             results = {run: future.result() for run, future in futures.items()}

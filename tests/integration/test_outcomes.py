@@ -229,7 +229,7 @@ def test_an_engine_down_is_said_without_v(tmp_path: Path) -> None:
     assert line.startswith(f"polar-mitm gateway: engine http://127.0.0.1:{engine_port}/v1 is unreachable (Client"), said
     assert line.endswith("); model calls are answered 503 engine_unreachable until it answers"), said
     assert "Traceback" not in said
-    assert out.read_text().strip().endswith("(not answering yet), render chat")
+    assert out.read_text().strip().endswith("(not answering yet), render auto (tokens or chat: chosen when the engine answers)")
 
 
 # -- what the start says
@@ -249,9 +249,9 @@ def test_a_second_gateway_on_a_held_store_names_the_gateway_that_holds_it(make_g
     )
 
 
-@pytest.mark.parametrize("render", ["chat", "tokens"])
-def test_the_start_line_names_the_render_mode(make_gateway, render: str) -> None:
-    gw = make_gateway("--render", render)
+@pytest.mark.parametrize("render, said", [("chat", "chat"), ("tokens", "tokens"), ("auto", "auto: tokens"), (None, "auto: tokens")])
+def test_the_start_line_names_the_render_mode(make_gateway, render: str | None, said: str) -> None:
+    gw = make_gateway(*(["--render", render] if render else []))  # None: the default, auto
     assert gw.log is not None
     [line] = [line for line in gw.log.read_text().splitlines() if "polar-mitm gateway: listening on" in line]
-    assert line.endswith(f"serving 'qwen3-tiny', render {render}"), line
+    assert line.endswith(f"serving 'qwen3-tiny', render {said}"), line

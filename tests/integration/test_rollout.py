@@ -100,9 +100,11 @@ def check_completed_task(server: RolloutServer, rx: Receiver, accepted: dict[str
         # two model exchanges (tool call, final text), committed and assembled
         assert session["n_exchanges"] == 2
         trajectory = session["trajectory"]
-        assert trajectory["exchanges"] == 2 and trajectory["sequences"] >= 1
-        # what a trainer checks before training on it: chat mode (nothing bridged, no tokens-mode parse), version 0
-        assert (trajectory["tool_call_parse_failures"], trajectory["tokens_mode_exchanges"], trajectory["bridged_fraction"]) == (0, 0, None)
+        # on the server's defaults (--render auto: tokens mode, the engine's model being here) one sequence
+        assert trajectory["exchanges"] == 2 and trajectory["sequences"] == 1
+        # what a trainer checks before training on it: both turns rendered here, the second bridged, no tool call
+        # that failed to parse, version 0
+        assert (trajectory["tool_call_parse_failures"], trajectory["tokens_mode_exchanges"], trajectory["bridged_fraction"]) == (0, 2, 1.0)
         assert trajectory["policy_version"] == 0 and trajectory["staleness"] == [0] * trajectory["sequences"]
         assert trajectory["sequence_policy_versions"] == [[0, 0]] * trajectory["sequences"]
         assert session["metadata"] == {"group": task_id, "policy_version": 7}

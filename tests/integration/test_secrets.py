@@ -153,8 +153,11 @@ def test_no_key_in_the_store_log_export_or_saved_flows(engine_url: str, tmp_path
     for name, where in in_replies.items():
         found.setdefault(name, []).extend(where)
     assert not found, f"keys found in stored artifacts: {found}"
-    # the engine got the pasted keys redacted: the prompt (and so its tokens) holds none
-    assert "[REDACTED]" in rows[0]["engine_request"] and "[REDACTED]" in rows[0]["request_body"]
+    # the engine got the pasted keys redacted: the prompt (and so its tokens) holds none; in tokens mode (the default
+    # here) the prompt went as token ids, read back with the engine's own detokenize
+    sent = json.loads(rows[0]["engine_request"])
+    prompt = sent["messages"] if "messages" in sent else httpx.post(f"{engine_url.removesuffix('/v1')}/detokenize", json={"model": sent["model"], "tokens": sent["prompt"]}, timeout=60).json()["prompt"]
+    assert "[REDACTED]" in json.dumps(prompt) and "[REDACTED]" in rows[0]["request_body"]
 
 
 def test_agent_config_files_hold_only_the_placeholder_key_inside_the_sandbox_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

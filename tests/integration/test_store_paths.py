@@ -90,6 +90,12 @@ def test_the_readme_store_is_read_and_assembled_from_another_directory(readme_st
     assert set(written.column("session_id").to_pylist()) == set(readme_store.sessions)
     stored = store.query(readme_store.db, "SELECT count(*) FROM trajectories WHERE builder = 'prefix_merging'")[1][0][0]
     assert stored == written.num_rows
+    # on defaults (--render auto: tokens mode, the engine's model is on this machine) each multi-turn session is
+    # one sequence; chat mode split each into two (the engine re-rendered the forced first reply differently)
+    assert min(readme_store.sessions.values()) >= 2 and written.num_rows == len(readme_store.sessions), readme_store.sessions
+    assert store.query_dicts(readme_store.db, "SELECT DISTINCT render_mode, count(*) FILTER (WHERE NOT bridged) AS first_turns FROM exchanges GROUP BY ALL") == [
+        {"render_mode": "tokens", "first_turns": len(readme_store.sessions)}
+    ]
 
 
 @pytest.mark.engine

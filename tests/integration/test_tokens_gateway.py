@@ -167,7 +167,7 @@ def test_a_lineage_survives_a_gateway_restart(tmp_path: Path, engine_url: str, s
 def test_qwen3_think_stripping_is_bridged_and_breaks_chat_mode(make_gateway, session_id: str) -> None:
     """Turn 1 thinks, then calls the tool. After the follow-up user turn the template drops that <think>."""
     tokens = make_gateway("--render", "tokens", "--engine-hook", HOOKS["think"])
-    chat = make_gateway("--engine-hook", HOOKS["think"], "--split-reasoning")
+    chat = make_gateway("--render", "chat", "--engine-hook", HOOKS["think"], "--split-reasoning")
     chat_session(tokens, session_id)
     rows = rows_of(tokens, session_id)
     assert [(r["bridged"], r["bridge_reason"]) for r in rows] == [(False, "first_turn"), (True, None), (True, None)]

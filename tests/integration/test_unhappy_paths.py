@@ -257,7 +257,7 @@ def test_a_start_says_where_it_listens_the_store_and_the_engines_model_and_a_sig
         return process, process.stdout.readline().strip()
 
     process, line = start()
-    assert line == f"polar-mitm gateway: listening on http://127.0.0.1:{port}, store {tmp_path / 'mine.duckdb'}, engine vllm {engine_url} serving 'qwen3-tiny', render chat"
+    assert line == f"polar-mitm gateway: listening on http://127.0.0.1:{port}, store {tmp_path / 'mine.duckdb'}, engine vllm {engine_url} serving 'qwen3-tiny', render auto: tokens"
     control = store.control_file(tmp_path / "mine.duckdb")
     assert json.loads(control.read_text())["pid"] == process.pid
     os.killpg(process.pid, signal.SIGKILL)

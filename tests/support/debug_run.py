@@ -122,7 +122,9 @@ def cut_session(gateway: Gateway, session_id: str) -> None:
 
 def build(engine_url: str, base: Path) -> DebugRun:
     base.mkdir(parents=True, exist_ok=True)
-    gateway = Gateway(port=free_port(), db=base / "store.duckdb", confdir=base / "confdir", upstream=engine_url, args=["--engine-hook", HOOK]).start()
+    # chat mode: its breaks are the engine re-rendering what was sent (the diff test finds the edit with the engine's
+    # own detokenize); the debugging tools on a tokens-mode store are the README store's tests (test_notebooks)
+    gateway = Gateway(port=free_port(), db=base / "store.duckdb", confdir=base / "confdir", upstream=engine_url, args=["--render", "chat", "--engine-hook", HOOK]).start()
     run = DebugRun(db=gateway.db, gateway_log=gateway.log)
     try:
         for task, instruction in TASKS.items():

@@ -19,6 +19,7 @@ import pytest
 
 from polar_mitm import harnesses
 from polar_mitm.assembler import assemble
+from polar_mitm.render import parsers
 from polar_mitm.store import JSON_COLUMNS
 from tests.support import harness_steering as steering
 from tests.support.processes import stop_process_group
@@ -120,18 +121,35 @@ def check_run(
 
     tool_turn, final_turn = rows[side_calls:]
     assert tool_turn["finish_reason"] == "tool_calls"
-    [call] = tool_turn["engine_response"]["choices"][0]["message"]["tool_calls"]
-    assert call["function"]["name"] == harness.shell_tool
-    assert json.loads(call["function"]["arguments"]) == (shell_arguments or {harness.shell_argument: steering.proof_command()})
+    calls, _ = sampled(tool_turn)
+    [(name, arguments)] = calls
+    assert name == harness.shell_tool
+    assert json.loads(arguments) == (shell_arguments or {harness.shell_argument: steering.proof_command()})
     assert tool_turn["stream"] is True and final_turn["stream"] is True
     # the second turn carries the call back with its result, and re-sends the first prompt unchanged
     assert final_turn["finish_reason"] == "stop"
-    assert final_turn["engine_response"]["choices"][0]["message"]["content"] == steering.FINAL_TEXT
-    assert any(m["role"] == "tool" for m in final_turn["engine_request"]["messages"])
+    assert sampled(final_turn) == ([], steering.FINAL_TEXT)
+    if final_turn["render_mode"] == "chat":
+        assert any(m["role"] == "tool" for m in final_turn["engine_request"]["messages"])
+    elif append_only:  # tokens mode: the harness sent turn 1, our answer, then new messages (the tool result)
+        assert (final_turn["bridged"], final_turn["bridge_reason"]) == (True, None), final_turn["bridge_reason"]
     first, second = tool_turn["prompt_token_ids"], final_turn["prompt_token_ids"]
     assert second[: len(first)] == first or not append_only, "per-turn prompt noise: turn 2 does not extend turn 1's prompt"
     check_assembly(gateway, session_id, rows)
     return rows
+
+
+def sampled(row: dict) -> tuple[list[tuple[str, str]], str | None]:
+    """The tool calls (name, arguments JSON) and text of the engine's reply: its message in chat mode (the engine
+    parsed the sampled text); in tokens mode the sampled text as the gateway parses it (Hermes, this model's
+    template), with no parse failure recorded."""
+    choice = row["engine_response"]["choices"][0]
+    if row["render_mode"] == "chat":
+        message = choice["message"]
+        return [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls") or []], message.get("content")
+    assert row["output_parse_error"] is None, row["output_parse_error"]
+    parsed = parsers.parse_output(choice["text"], "hermes")
+    return [(c.name, c.arguments) for c in parsed.tool_calls], parsed.content
 
 
 def check_assembly(gateway, session_id: str, rows: list[dict]) -> None:

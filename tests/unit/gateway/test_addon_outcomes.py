@@ -109,7 +109,9 @@ async def run_both(
     addon = PolarAddon(start_line=io.StringIO())
     db = tmp_path / "store.duckdb"
     with taddons.context(proxyserver.Proxyserver(), addon) as tctx:
-        tctx.configure(addon, polar_upstream="http://127.0.0.1:9/v1", polar_db=str(db), confdir=str(tmp_path / "confdir"), polar_keepalive_interval=0.1)
+        # chat mode: the stand-in replaces the engine after configure, so the engine's model directory (for auto's
+        # tokens mode) is never asked for; the failures are the engine call's, raised the same in either mode
+        tctx.configure(addon, polar_upstream="http://127.0.0.1:9/v1", polar_db=str(db), confdir=str(tmp_path / "confdir"), polar_keepalive_interval=0.1, polar_render="chat")
         addon.engine = _checked(engine)
         await addon.running()
         assert addon.store is not None
