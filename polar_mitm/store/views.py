@@ -71,7 +71,8 @@ SIZES_MESSAGES, SIZES_TOOLS = _sent("material")
 VIEWS: dict[str, View] = {
     "session_timeline": View(
         "One row per exchange, in session order: api, harness, status, replay flag, messages and tools sent (the chat "
-        "request the engine got; in tokens mode, where it got token ids, the harness's request), prompt and sampled token counts, whether the prompt extends the previous trajectory exchange of the session token for token "
+        "request the engine got; in tokens mode, where it got token ids, the harness's request), prompt and sampled "
+        "token counts, whether the prompt extends the previous trajectory exchange of the session token for token "
         "(extends_previous; NULL on the first), the new prompt tokens it adds, and latencies.",
         f"""
         WITH material AS (

@@ -252,6 +252,5 @@ def test_a_second_gateway_on_a_held_store_names_the_gateway_that_holds_it(make_g
 @pytest.mark.parametrize("render, said", [("chat", "chat"), ("tokens", "tokens"), ("auto", "auto: tokens"), (None, "auto: tokens")])
 def test_the_start_line_names_the_render_mode(make_gateway, render: str | None, said: str) -> None:
     gw = make_gateway(*(["--render", render] if render else []))  # None: the default, auto
-    assert gw.log is not None
-    [line] = [line for line in gw.log.read_text().splitlines() if "polar-mitm gateway: listening on" in line]
+    line = gw.start_line()
     assert line.endswith(f"serving 'qwen3-tiny', render {said}"), line

@@ -54,11 +54,6 @@ def fallback_lines(gateway: Gateway) -> list[str]:
     return [line[line.index(FALLBACK):] for line in gateway.log.read_text().splitlines() if FALLBACK in line]
 
 
-def start_line(gateway: Gateway) -> str:
-    [line] = [line for line in gateway.log.read_text().splitlines() if line.startswith("polar-mitm gateway: listening on")]
-    return line
-
-
 @pytest.mark.engine
 def test_auto_is_tokens_mode_where_the_engines_model_is_here(make_gateway, session_id: str) -> None:
     gateway = make_gateway("--render", "auto", "--engine-hook", HOOKS["steer"])
@@ -67,7 +62,7 @@ def test_auto_is_tokens_mode_where_the_engines_model_is_here(make_gateway, sessi
     assert [(r["render_mode"], r["bridged"]) for r in rows] == [("tokens", False), ("tokens", True), ("tokens", True)]
     assert_one_sequence_per_session(gateway, session_id, rows)
     assert not fallback_lines(gateway)
-    assert start_line(gateway).endswith("render auto: tokens")
+    assert gateway.start_line().endswith("render auto: tokens")
     assert "tokens mode renders with the chat template of" in gateway.log.read_text() and "(tool parser hermes)" in gateway.log.read_text()
 
 
@@ -88,7 +83,7 @@ def test_auto_falls_back_to_chat_mode_saying_why_once(make_gateway, session_id: 
     assert [(r["status"], r["render_mode"]) for r in rows] == [("ok", "chat")] * 2, rows
     [line] = fallback_lines(gateway)  # said once, at start, not per call
     assert reason in line, line
-    assert start_line(gateway).endswith("render auto: chat")
+    assert gateway.start_line().endswith("render auto: chat")
 
 
 def test_auto_falls_back_when_the_engines_model_directory_is_not_here(make_gateway, session_id: str) -> None:
@@ -110,7 +105,7 @@ def test_auto_falls_back_with_several_upstreams(make_gateway, session_id: str, e
     assert [(r["status"], r["render_mode"]) for r in rows] == [("ok", "chat")] * 2, rows
     [line] = fallback_lines(gateway)
     assert "several upstream engines" in line, line
-    assert start_line(gateway).endswith("render auto: chat")
+    assert gateway.start_line().endswith("render auto: chat")
 
 
 @pytest.mark.engine

@@ -62,6 +62,12 @@ class Gateway:
             os.killpg(self.process.pid, sig)
             self.process.wait(timeout=30)
 
+    def start_line(self) -> str:
+        """The one line a start prints without -v: where it listens, its store, engine and render mode."""
+        assert self.log is not None
+        [line] = [line for line in self.log.read_text().splitlines() if line.startswith("polar-mitm gateway: listening on")]
+        return line
+
     def rows(self, sql: str, params: list[Any] | None = None) -> list[dict[str, Any]]:
         return store.query_dicts(self.db, sql, params)
 
