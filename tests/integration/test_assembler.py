@@ -314,7 +314,9 @@ def test_sdk_retry_does_not_fork(make_gateway, session_id: str, tokenizer) -> No
         chat.user("Once more.")
         chat.ask("Hi")
     # on a loaded machine the retry can time out too (it shares the engine with the slow attempt), so the SDK may
-    # have made a third attempt; every attempt it gave up on is in, as the client's hang-up
+    # have made a third attempt; every attempt that reached the gateway is in, the ones it gave up on as the client's
+    # hang-up. An attempt can also time out before its request is sent (the SDK's connect timeout covers the CONNECT
+    # and TLS handshake, 2 s here): the gateway never saw it, so its retry count is missing from the rows (seen in CI)
     deadline = time.monotonic() + 60
     while not _attempts_settled(rows := gw.exchanges(session_id)) and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -322,7 +324,9 @@ def test_sdk_retry_does_not_fork(make_gateway, session_id: str, tokenizer) -> No
     assert [(r["seq"], r["status"], r["retry_count"]) for r in (first, last)] == [(1, "ok", 0), (len(rows), "ok", 0)]
     abandoned, answered = attempts[:-1], attempts[-1]
     # the engine call of an attempt the SDK gave up on is cancelled and recorded as such, never as ok
-    assert len(abandoned) >= 1 and [(r["status"], r["retry_count"]) for r in attempts] == [("client_disconnected", n) for n in range(len(abandoned))] + [("ok", len(abandoned))]
+    assert len(abandoned) >= 1 and [r["status"] for r in attempts] == ["client_disconnected"] * len(abandoned) + ["ok"]
+    retry_counts = [r["retry_count"] for r in attempts]
+    assert retry_counts == sorted(set(retry_counts)) and retry_counts[0] == 0 and retry_counts[-1] <= 2  # max_retries=2
     assert len({r["request_body"] for r in attempts}) == 1
 
     result = assemble(gw.db, "prefix_merging", session=session_id)
@@ -334,11 +338,13 @@ def test_sdk_retry_does_not_fork(make_gateway, session_id: str, tokenizer) -> No
 
 
 def _attempts_settled(rows: list[dict]) -> bool:
-    """Every attempt of the retried turn is in: retry counts 0..k, the k-th answered."""
-    if len(rows) < 4:
+    """Every attempt of the retried turn that reached the gateway is in: no hole in the seqs (a seq is taken when
+    the request arrives, the row is committed when its attempt ends), the last turn after them, the last attempt
+    answered."""
+    if len(rows) < 4 or [r["seq"] for r in rows] != list(range(1, len(rows) + 1)):
         return False
     attempts = [r for r in rows if r["request_body"] == rows[1]["request_body"]]
-    return sorted(r["retry_count"] for r in attempts) == list(range(len(attempts))) and attempts[-1]["status"] == "ok"
+    return len(attempts) == len(rows) - 2 and attempts[-1]["status"] == "ok"
 
 
 def _one_turn(gw: Gateway, session: str, tokenizer) -> None:
