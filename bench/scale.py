@@ -2,9 +2,10 @@
 
 Issue 29's bench. At each level (64, 256 and 1,000 concurrent sessions; `--quick`: 16 and 64) every session is a
 harness's conversation: a ~20 KB first request (system prompt, tool list, task), then `--turns` turns whose history
-grows as a harness's does (each turn adds the model's reply and a ~3 KB tool result), one request at a time on its
-own keep-alive connection. Sessions cycle over the four APIs (OpenAI Chat Completions, OpenAI Responses, Anthropic
-Messages, Gemini) and half of them stream; they start spread over `--ramp-s` rather than in one instant.
+grows as a harness's does (each turn adds the model's reply, its text and tool call echoed as the engine gave them,
+and that call's ~3 KB output), one request at a time on its own keep-alive connection. Sessions cycle over the four
+APIs (OpenAI Chat Completions, OpenAI Responses, Anthropic Messages, Gemini) and half of them stream; they start
+spread over `--ramp-s` rather than in one instant.
 
 What answers: the soak's stand-in engine (bench/soak_engine.py, a fake, named as such), after `--engine-delay-s`
 (seconds, as a busy GPU engine does, not milliseconds). Measured side by side, one proxy at a time per level:
@@ -47,6 +48,7 @@ from bench.client import Conn, Target  # noqa: E402
 from bench.common import ROOT, Service, check_alive, free_port, percentile, raise_fd_limit, stop_all  # noqa: E402
 from bench.report import machine  # noqa: E402
 from bench.soak_client import API_KEYS, APIS, HOSTS, complete_success, read_body, read_head  # noqa: E402
+from bench.stub_upstream import CONTENT, TOOL_ARGUMENTS, TOOL_NAME  # noqa: E402
 from polar_mitm import session as sessions  # noqa: E402
 from polar_mitm.local_engine import build  # noqa: E402
 
@@ -57,7 +59,8 @@ PATHS = {
     "openai_chat": "/v1/chat/completions", "openai_responses": "/v1/responses", "anthropic_messages": "/v1/messages",
     "gemini": "/v1beta/models/gemini-2.5-flash:{method}",
 }
-TOOLS = [{"name": f"tool_{i}", "description": "Run a shell command in the workspace. " * 6,
+# the first of them is the one the stand-in's reply calls (bench/stub_upstream.py: its text, then one tool call)
+TOOLS = [{"name": TOOL_NAME if i == 0 else f"tool_{i}", "description": "Run a shell command in the workspace. " * 6,
           "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}} for i in range(12)]
 
 
@@ -67,41 +70,53 @@ def filler(kb: int, seed: str) -> str:
     return " ".join(words)[: kb * 1000]
 
 
-def conversation(session: int, turns: int) -> tuple[str, list[tuple[str, str]]]:
-    """The system prompt and the (user, assistant) text pairs of `turns` turns (the first user text is the task)."""
+def conversation(session: int, turns: int) -> tuple[str, list[str]]:
+    """The system prompt and what the harness sends on each of `turns` turns: the task, then the output of the
+    tool the model called on the turn before."""
     system = filler(SYSTEM_KB, f"system-{session % 7}")
-    pairs = [(f"Task {session}: list the repository layout and fix the failing test." if turn == 0 else f"Tool output {turn}:\n" + filler(TOOL_RESULT_KB, f"{session}-{turn}"),
-              f"I will look at part {turn} of the repository layout next.") for turn in range(turns)]
-    return system, pairs
+    sent = [f"Task {session}: list the repository layout and fix the failing test." if turn == 0 else f"Tool output {turn}:\n" + filler(TOOL_RESULT_KB, f"{session}-{turn}") for turn in range(turns)]
+    return system, sent
 
 
-def body_for(api: str, stream: bool, system: str, pairs: list[tuple[str, str]]) -> dict[str, Any]:
-    """The request of the last pair's turn (its assistant text is the reply still to come), in `api`'s own shape."""
-    history = pairs[:-1]
-    last_user = pairs[-1][0]
+def body_for(api: str, stream: bool, system: str, sent: list[str]) -> dict[str, Any]:
+    """The request of the last turn in `sent`, in `api`'s own shape. Each earlier turn's reply is in the history
+    as the stand-in gave it (its text and its tool call), followed by that call's output, as a harness sends
+    them back: so the gateway's tokens mode finds each turn's parent, as it does with real harnesses."""
+    task, outputs = sent[0], sent[1:]
+    arguments = json.loads(TOOL_ARGUMENTS)
     if api == "openai_chat":
-        messages = [{"role": "system", "content": system}]
-        for user, assistant in history:
-            messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+        messages: list[dict[str, Any]] = [{"role": "system", "content": system}, {"role": "user", "content": task}]
+        for turn, output in enumerate(outputs):
+            call = {"id": f"call_{turn}", "type": "function", "function": {"name": TOOL_NAME, "arguments": TOOL_ARGUMENTS}}
+            messages += [{"role": "assistant", "content": CONTENT, "tool_calls": [call]}, {"role": "tool", "tool_call_id": f"call_{turn}", "content": output}]
         tools = [{"type": "function", "function": tool} for tool in TOOLS]
-        return {"model": "gpt-4o-mini", "messages": [*messages, {"role": "user", "content": last_user}], "tools": tools, "stream": stream}
+        return {"model": "gpt-4o-mini", "messages": messages, "tools": tools, "stream": stream}
     if api == "openai_responses":
-        items: list[dict[str, Any]] = []
-        for user, assistant in history:
-            items += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+        items: list[dict[str, Any]] = [{"role": "user", "content": task}]
+        for turn, output in enumerate(outputs):
+            items += [
+                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": CONTENT}]},
+                {"type": "function_call", "call_id": f"call_{turn}", "name": TOOL_NAME, "arguments": TOOL_ARGUMENTS},
+                {"type": "function_call_output", "call_id": f"call_{turn}", "output": output},
+            ]
         tools = [{"type": "function", **tool} for tool in TOOLS]
-        return {"model": "gpt-4o-mini", "instructions": system, "input": [*items, {"role": "user", "content": last_user}], "tools": tools, "stream": stream}
+        return {"model": "gpt-4o-mini", "instructions": system, "input": items, "tools": tools, "stream": stream}
     if api == "anthropic_messages":
-        messages = []
-        for user, assistant in history:
-            messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+        messages = [{"role": "user", "content": task}]
+        for turn, output in enumerate(outputs):
+            messages += [
+                {"role": "assistant", "content": [{"type": "text", "text": CONTENT}, {"type": "tool_use", "id": f"toolu_{turn}", "name": TOOL_NAME, "input": arguments}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{turn}", "content": output}]},
+            ]
         tools = [{"name": tool["name"], "description": tool["description"], "input_schema": tool["parameters"]} for tool in TOOLS]
-        return {"model": "claude-sonnet-4-5", "max_tokens": 4096, "system": system, "messages": [*messages, {"role": "user", "content": last_user}], "tools": tools, "stream": stream}
-    contents = []
-    for user, assistant in history:
-        contents += [{"role": "user", "parts": [{"text": user}]}, {"role": "model", "parts": [{"text": assistant}]}]
-    return {"systemInstruction": {"parts": [{"text": system}]}, "contents": [*contents, {"role": "user", "parts": [{"text": last_user}]}],
-            "tools": [{"functionDeclarations": TOOLS}]}
+        return {"model": "claude-sonnet-4-5", "max_tokens": 4096, "system": system, "messages": messages, "tools": tools, "stream": stream}
+    contents: list[dict[str, Any]] = [{"role": "user", "parts": [{"text": task}]}]
+    for output in outputs:
+        contents += [
+            {"role": "model", "parts": [{"text": CONTENT}, {"functionCall": {"name": TOOL_NAME, "args": arguments}}]},
+            {"role": "user", "parts": [{"functionResponse": {"name": TOOL_NAME, "response": {"output": output}}}]},
+        ]
+    return {"systemInstruction": {"parts": [{"text": system}]}, "contents": contents, "tools": [{"functionDeclarations": TOOLS}]}
 
 
 def raw_request(api: str, stream: bool, body: dict[str, Any], plain_chat: bool) -> tuple[str, bytes]:
@@ -132,11 +147,11 @@ class Level:
 
 async def one_session(target: Target, index: int, api: str, stream: bool, turns: int, plain_chat: bool, ramp_s: float, level: Level, open_now: list[int]) -> None:
     await asyncio.sleep(random.Random(index).random() * ramp_s)
-    system, pairs = conversation(index, turns)
+    system, sent = conversation(index, turns)
     conn: Conn | None = None
     try:
         for turn in range(1, turns + 1):
-            body = body_for("openai_chat" if plain_chat else api, stream, system, pairs[:turn])
+            body = body_for("openai_chat" if plain_chat else api, stream, system, sent[:turn])
             host, raw = raw_request(api, stream, body, plain_chat)
             try:
                 if conn is None:

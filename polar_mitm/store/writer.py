@@ -75,6 +75,11 @@ COMPACTION_BACKLOG = 2
 # after DuckDB invalidated the database (a write that failed mid-checkpoint: a full disk), how often the writer
 # tries to open the file again; commits meanwhile are refused at once
 REOPEN_EVERY_S = 0.5
+# session counters are flushed at most this often (and before every read of the store, so a reader still sees every
+# committed exchange counted): a flush is an UPDATE of `sessions` by its primary key, which cost the writer as much as
+# the journal inserts when it followed every commit (bench/scale.py at 64 sessions, py-spy: 12.5% vs 11.4% of the
+# gateway's samples)
+SESSION_FLUSH_S = 0.25
 
 
 
@@ -133,6 +138,7 @@ class Store(Compaction):
         self._next_reopen = 0.0
         self._known_sessions = {session_id for (session_id,) in self.con.execute("SELECT session_id FROM sessions").fetchall()}
         self._session_counts: dict[str, dict[str, Any]] = {}  # committed exchanges not yet counted into `sessions`
+        self._sessions_flushed_at = 0.0  # time.monotonic() of the last flush
         self._queue: queue.Queue[_Pending | None] = queue.Queue()
         self._batch_max = batch_max
         self._compactions: queue.Queue[tuple[int, int | None] | None] = queue.Queue()
@@ -237,19 +243,17 @@ class Store(Compaction):
 
     def _write_loop(self) -> None:
         con, appends = self._writer_cursors()
-        unflushed_batches = 0
         while True:
             try:
-                # session counters wait for a quiet moment: flushing right away held the GIL just as the event loop
-                # was woken to send the reply
-                first = self._queue.get(timeout=0.005 if self._session_counts else None)
+                # session counters wait for a quiet moment (flushing right away held the GIL just as the event loop
+                # was woken to send the reply), and for SESSION_FLUSH_S since the last flush
+                first = self._queue.get(timeout=max(0.005, self._sessions_due() - time.monotonic()) if self._session_counts else None)
             except queue.Empty:
                 if self._invalid is not None:
                     if not self._reopen():
                         continue
                     con, appends = self._writer_cursors()
                 self._flush_sessions(con)
-                unflushed_batches = 0
                 continue
             if first is None:
                 self._flush_sessions(con)
@@ -278,11 +282,9 @@ class Store(Compaction):
             self._commit_batch(con, appends, batch)
             if step is not None:
                 self._run_step(con, step)
-            unflushed_batches += 1
-            # session counters follow the replies: after 5 ms without new rows, or every 8 batches under load
-            if unflushed_batches >= 8:
+            # under load the queue is never quiet: the counters follow the replies every SESSION_FLUSH_S
+            if self._session_counts and time.monotonic() >= self._sessions_due():
                 self._flush_sessions(con)
-                unflushed_batches = 0
             if self._journal_rows >= self.segment_rows or (self.journal_bytes_max and self._journal_bytes >= self.journal_bytes_max):
                 try:
                     full_bytes = self._journal_bytes
@@ -409,6 +411,7 @@ class Store(Compaction):
         """
         if not self._session_counts:
             return
+        self._sessions_flushed_at = time.monotonic()
         counts = self._session_counts
         try:
             if len(counts) == 1 and self._known_sessions.issuperset(counts):
@@ -421,6 +424,18 @@ class Store(Compaction):
             return
         self._known_sessions.update(counts)
         self._session_counts = {}
+
+    def _sessions_due(self) -> float:
+        return self._sessions_flushed_at + SESSION_FLUSH_S
+
+    def _counted(self) -> None:
+        """Before a read: the counters of every exchange committed so far are in `sessions` (the writer flushes
+        them now, if it has any, and this waits for it)."""
+        if not self._session_counts or threading.current_thread() is self._writer or not self._writer.is_alive():
+            return
+        flushed = threading.Event()
+        self._queue.put(_Pending(step=self._flush_sessions, done=lambda _error: flushed.set()))
+        flushed.wait(timeout=30)  # a writer stopped meanwhile never answers: the read goes on with what is there
 
     # -- journals and segments
     def _rotate(self, con: duckdb.DuckDBPyConnection) -> int | None:
@@ -454,16 +469,19 @@ class Store(Compaction):
 
     # -- reads (any thread)
     def query(self, sql: str, params: list[Any] | None = None) -> tuple[list[str], list[tuple[Any, ...]]]:
+        self._counted()
         return fetch(self.con, sql, params)
 
     def arrow(self, sql: str, params: list[Any] | None = None) -> pa.Table:
         """The result of read-only SQL as an Arrow table (list columns as Arrow buffers, no Python object per value)."""
+        self._counted()
         return fetch_arrow(self.con, sql, params)
 
     def snapshot(self, node: str, out_dir: Path | None = None) -> NodeSnapshot:
         """The store as Parquet files at one instant (polar_mitm.store.snapshots), while the writer goes on: only
         the journal tail and `sessions` are written, into `out_dir` (default `<db>.snapshots/`); absolute paths."""
         db = self.path.resolve()
+        self._counted()
         return snapshot_store(self.con, db, node, out_dir or snapshot_dir(db))
 
     # -- the control endpoint for readers in other processes

@@ -84,6 +84,34 @@ def test_rows_read_back_the_same_from_journal_and_segments(tmp_path: Path) -> No
     assert counts == {"s0": 15, "s1": 15, "s2": 15}
 
 
+def test_session_counters_are_flushed_seldom_under_load_and_every_read_sees_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from polar_mitm.store import writer
+
+    flushes: list[int] = []
+    counted = writer.update_sessions
+    monkeypatch.setattr(writer, "update_sessions", lambda con, counts, known: (flushes.append(len(counts)), counted(con, counts, known)))
+    target = Store(tmp_path / "s.duckdb")
+
+    async def steady() -> None:
+        # 4 sessions, one commit every ~10 ms: the queue is quiet (5 ms) between almost every two commits
+        for seq in range(1, 11):
+            for session in range(4):
+                await target.commit_exchange(exchange_row(f"s{session}", seq))
+                await asyncio.sleep(0.01)
+
+    try:
+        started = time.monotonic()
+        asyncio.run(steady())
+        elapsed = time.monotonic() - started
+        # a read right after the last commit sees every exchange counted (the writer flushes for it)
+        assert dict(target.query("SELECT session_id, n_exchanges FROM sessions")[1]) == {f"s{i}": 10 for i in range(4)}
+    finally:
+        target.close()
+    # at most one flush per SESSION_FLUSH_S of commits, plus the read's (it was one flush per commit)
+    assert len(flushes) <= elapsed / writer.SESSION_FLUSH_S + 2 < 40
+    assert dict(store.query(tmp_path / "s.duckdb", "SELECT session_id, n_exchanges FROM sessions")[1]) == {f"s{i}": 10 for i in range(4)}
+
+
 def test_values_json_cannot_hold_survive(tmp_path: Path) -> None:
     db = tmp_path / "odd.duckdb"
     row = exchange_row("odd", 1)
