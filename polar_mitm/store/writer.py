@@ -80,6 +80,10 @@ REOPEN_EVERY_S = 0.5
 # the journal inserts when it followed every commit (bench/scale.py at 64 sessions, py-spy: 12.5% vs 11.4% of the
 # gateway's samples)
 SESSION_FLUSH_S = 0.25
+# the SQL that may read `sessions`: the table, or one of the store's views over it
+READS_SESSIONS = re.compile(
+    r"\b(" + "|".join(["sessions", *(name for name, view in views.VIEWS.items() if re.search(r"\bsessions\b", view.sql))]) + r")\b", re.IGNORECASE
+)
 
 
 
@@ -428,10 +432,13 @@ class Store(Compaction):
     def _sessions_due(self) -> float:
         return self._sessions_flushed_at + SESSION_FLUSH_S
 
-    def _counted(self) -> None:
-        """Before a read: the counters of every exchange committed so far are in `sessions` (the writer flushes
-        them now, if it has any, and this waits for it)."""
+    def _counted(self, sql: str | None = None) -> None:
+        """Before a read of `sessions` (`sql` names it or a view over it; None: any read): the counters of every
+        exchange committed so far are in it (the writer flushes them now, if it has any, and this waits for it).
+        A read of the exchanges alone never waits for the writer."""
         if not self._session_counts or threading.current_thread() is self._writer or not self._writer.is_alive():
+            return
+        if sql is not None and not READS_SESSIONS.search(sql):
             return
         flushed = threading.Event()
         self._queue.put(_Pending(step=self._flush_sessions, done=lambda _error: flushed.set()))
@@ -469,12 +476,12 @@ class Store(Compaction):
 
     # -- reads (any thread)
     def query(self, sql: str, params: list[Any] | None = None) -> tuple[list[str], list[tuple[Any, ...]]]:
-        self._counted()
+        self._counted(sql)
         return fetch(self.con, sql, params)
 
     def arrow(self, sql: str, params: list[Any] | None = None) -> pa.Table:
         """The result of read-only SQL as an Arrow table (list columns as Arrow buffers, no Python object per value)."""
-        self._counted()
+        self._counted(sql)
         return fetch_arrow(self.con, sql, params)
 
     def snapshot(self, node: str, out_dir: Path | None = None) -> NodeSnapshot:
