@@ -55,7 +55,7 @@ from polar_mitm.store.segments import (
     write_segment,
     write_view,
 )
-from polar_mitm.store.session_counts import RECOUNT_NEW_SESSIONS, RECOUNT_SESSIONS, count_sessions, update_sessions
+from polar_mitm.store.session_counts import READS_SESSIONS, RECOUNT_NEW_SESSIONS, RECOUNT_SESSIONS, SessionCounters
 from polar_mitm.store.snapshots import NodeSnapshot, snapshot_dir, snapshot_store
 from polar_mitm.store.trouble import WriteTrouble, invalidates, one_line
 
@@ -75,15 +75,7 @@ COMPACTION_BACKLOG = 2
 # after DuckDB invalidated the database (a write that failed mid-checkpoint: a full disk), how often the writer
 # tries to open the file again; commits meanwhile are refused at once
 REOPEN_EVERY_S = 0.5
-# session counters are flushed at most this often (and before every read of the store, so a reader still sees every
-# committed exchange counted): a flush is an UPDATE of `sessions` by its primary key, which cost the writer as much as
-# the journal inserts when it followed every commit (bench/scale.py at 64 sessions, py-spy: 12.5% vs 11.4% of the
-# gateway's samples)
-SESSION_FLUSH_S = 0.25
-# the SQL that may read `sessions`: the table, or one of the store's views over it
-READS_SESSIONS = re.compile(
-    r"\b(" + "|".join(["sessions", *(name for name, view in views.VIEWS.items() if re.search(r"\bsessions\b", view.sql))]) + r")\b", re.IGNORECASE
-)
+
 
 
 
@@ -140,9 +132,7 @@ class Store(Compaction):
         self._compacted = threading.Event()  # set each time the compactor has written a segment or given up on one
         self._invalid: BaseException | None = None  # DuckDB invalidated the database: reopened before the next write
         self._next_reopen = 0.0
-        self._known_sessions = {session_id for (session_id,) in self.con.execute("SELECT session_id FROM sessions").fetchall()}
-        self._session_counts: dict[str, dict[str, Any]] = {}  # committed exchanges not yet counted into `sessions`
-        self._sessions_flushed_at = 0.0  # time.monotonic() of the last flush
+        self._counters = SessionCounters({session_id for (session_id,) in self.con.execute("SELECT session_id FROM sessions").fetchall()})
         self._queue: queue.Queue[_Pending | None] = queue.Queue()
         self._batch_max = batch_max
         self._compactions: queue.Queue[tuple[int, int | None] | None] = queue.Queue()
@@ -251,16 +241,16 @@ class Store(Compaction):
             try:
                 # session counters wait for a quiet moment (flushing right away held the GIL just as the event loop
                 # was woken to send the reply), and for SESSION_FLUSH_S since the last flush
-                first = self._queue.get(timeout=max(0.005, self._sessions_due() - time.monotonic()) if self._session_counts else None)
+                first = self._queue.get(timeout=max(0.005, self._counters.due() - time.monotonic()) if self._counters.pending else None)
             except queue.Empty:
                 if self._invalid is not None:
                     if not self._reopen():
                         continue
                     con, appends = self._writer_cursors()
-                self._flush_sessions(con)
+                self._counters.flush(con, self._trouble)
                 continue
             if first is None:
-                self._flush_sessions(con)
+                self._counters.flush(con, self._trouble)
                 return
             if self._invalid is not None:
                 if not self._reopen():
@@ -287,8 +277,8 @@ class Store(Compaction):
             if step is not None:
                 self._run_step(con, step)
             # under load the queue is never quiet: the counters follow the replies every SESSION_FLUSH_S
-            if self._session_counts and time.monotonic() >= self._sessions_due():
-                self._flush_sessions(con)
+            if self._counters.pending and time.monotonic() >= self._counters.due():
+                self._counters.flush(con, self._trouble)
             if self._journal_rows >= self.segment_rows or (self.journal_bytes_max and self._journal_bytes >= self.journal_bytes_max):
                 try:
                     full_bytes = self._journal_bytes
@@ -387,7 +377,7 @@ class Store(Compaction):
             self.trouble.writes_again()
         self._journal_rows += len(rows)
         self._journal_bytes += written
-        count_sessions(self._session_counts, rows)
+        self._counters.add(rows)
         for item in batch:
             if item.done:
                 item.done(None)
@@ -407,41 +397,16 @@ class Store(Compaction):
             con.execute(item.sql, item.params)
         return written + insert_journal_rows(con, rows, table)
 
-    def _flush_sessions(self, con: duckdb.DuckDBPyConnection) -> None:
-        """Count committed exchanges into `sessions`, in a transaction of their own.
-
-        Kept out of the exchange's commit, which the client waits for (each DuckDB statement costs ~0.5 ms). If the
-        process dies in between, the next open recounts the sessions from the exchanges.
-        """
-        if not self._session_counts:
-            return
-        self._sessions_flushed_at = time.monotonic()
-        counts = self._session_counts
-        try:
-            if len(counts) == 1 and self._known_sessions.issuperset(counts):
-                update_sessions(con, counts, self._known_sessions)  # one UPDATE: its own transaction
-            else:
-                with transaction(con):
-                    update_sessions(con, counts, self._known_sessions)
-        except Exception as error:  # noqa: BLE001 - kept, and retried with the next flush
-            self._trouble("updating session counters", error)
-            return
-        self._known_sessions.update(counts)
-        self._session_counts = {}
-
-    def _sessions_due(self) -> float:
-        return self._sessions_flushed_at + SESSION_FLUSH_S
-
     def _counted(self, sql: str | None = None) -> None:
         """Before a read of `sessions` (`sql` names it or a view over it; None: any read): the counters of every
         exchange committed so far are in it (the writer flushes them now, if it has any, and this waits for it).
         A read of the exchanges alone never waits for the writer."""
-        if not self._session_counts or threading.current_thread() is self._writer or not self._writer.is_alive():
+        if not self._counters.pending or threading.current_thread() is self._writer or not self._writer.is_alive():
             return
         if sql is not None and not READS_SESSIONS.search(sql):
             return
         flushed = threading.Event()
-        self._queue.put(_Pending(step=self._flush_sessions, done=lambda _error: flushed.set()))
+        self._queue.put(_Pending(step=lambda con: self._counters.flush(con, self._trouble), done=lambda _error: flushed.set()))
         flushed.wait(timeout=30)  # a writer stopped meanwhile never answers: the read goes on with what is there
 
     # -- journals and segments

@@ -85,11 +85,11 @@ def test_rows_read_back_the_same_from_journal_and_segments(tmp_path: Path) -> No
 
 
 def test_session_counters_are_flushed_seldom_under_load_and_every_read_sees_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from polar_mitm.store import writer
+    from polar_mitm.store import session_counts
 
     flushes: list[int] = []
-    counted = writer.update_sessions
-    monkeypatch.setattr(writer, "update_sessions", lambda con, counts, known: (flushes.append(len(counts)), counted(con, counts, known)))
+    counted = session_counts.update_sessions
+    monkeypatch.setattr(session_counts, "update_sessions", lambda con, counts, known: (flushes.append(len(counts)), counted(con, counts, known)))
     target = Store(tmp_path / "s.duckdb")
 
     async def steady() -> None:
@@ -108,7 +108,7 @@ def test_session_counters_are_flushed_seldom_under_load_and_every_read_sees_them
     finally:
         target.close()
     # at most one flush per SESSION_FLUSH_S of commits, plus the read's (it was one flush per commit)
-    assert len(flushes) <= elapsed / writer.SESSION_FLUSH_S + 2 < 40
+    assert len(flushes) <= elapsed / session_counts.SESSION_FLUSH_S + 2 < 40
     assert dict(store.query(tmp_path / "s.duckdb", "SELECT session_id, n_exchanges FROM sessions")[1]) == {f"s{i}": 10 for i in range(4)}
 
 
