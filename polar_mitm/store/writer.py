@@ -130,6 +130,7 @@ class Store(Compaction):
         self._journal_rows = self._journal_bytes = 0
         self._compacting: set[int] = set()  # journals queued for the compactor or being compacted
         self._compacted = threading.Event()  # set each time the compactor has written a segment or given up on one
+        self._handed, self._handing = 0, threading.Lock()  # steps the compactor handed the writer (Compaction._to_writer)
         self._invalid: BaseException | None = None  # DuckDB invalidated the database: reopened before the next write
         self._next_reopen = 0.0
         self._counters = SessionCounters({session_id for (session_id,) in self.con.execute("SELECT session_id FROM sessions").fetchall()})
@@ -292,7 +293,8 @@ class Store(Compaction):
                 if len(self._compacting) > COMPACTION_BACKLOG and self._compactor.is_alive():
                     # backpressure: commits wait (a few ms) rather than full journals piling up in memory
                     self._compacted.clear()
-                    self._compacted.wait(timeout=5)
+                    if not self._handed:  # else a step of the compactor's is queued: the loop runs it next
+                        self._compacted.wait(timeout=5)
 
     def _refuse(self, item: _Pending) -> None:
         """Answer a queued write with the store's failure, without trying it (the file is being reopened)."""

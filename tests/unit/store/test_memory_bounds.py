@@ -59,3 +59,29 @@ def test_a_journal_becomes_a_segment_by_its_bytes_compacted_in_slices_and_reads_
     assert 20 < segment_rows < 60  # rotated at 1 MB of records, not at 256 rows
     assert pq.ParquetFile(tmp_path / "s.duckdb.segments" / file).num_row_groups > 1  # one per slice
     assert read == {row["exchange_id"]: list(row["prompt_token_ids"]) for row in rows}
+
+
+def test_the_compaction_backlog_never_stalls_commits_on_a_lost_wake_up(tmp_path: Path) -> None:
+    """With full journals queued faster than the compactor turns them into segments, the writer waits for the
+    compactor, which waits for the writer to install what it wrote. Its wake-up could come just before the writer
+    cleared it: then both waited until the writer's 5 s timeout, and every commit meanwhile (bench: 1 in ~1,000
+    exchanges took 5.1 s). Tiny journals make that race frequent; no commit may wait anywhere near 5 s."""
+    target = Store(tmp_path / "b.duckdb", segment_rows=2)
+    waits: list[float] = []
+
+    async def commit(row: dict) -> None:
+        started = time.monotonic()
+        await target.commit_exchange(row)
+        waits.append(time.monotonic() - started)
+
+    async def commit_all() -> None:
+        rows = [exchange_row(f"s{i % 8}", i // 8 + 1, prompt_len=200) for i in range(400)]
+        for start in range(0, len(rows), 8):
+            await asyncio.gather(*(commit(row) for row in rows[start : start + 8]))
+
+    try:
+        asyncio.run(commit_all())
+        assert target.query("SELECT count(*) FROM exchanges")[1] == [(400,)]
+    finally:
+        target.close()
+    assert max(waits) < 3, sorted(waits)[-5:]
