@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/assemble_bench.py [--sessions 10000] [--turns 30] [--db /tmp/assemble-bench.duckdb]
 
-The store has the real schema (polar_mitm.store), filled with store.add_segment (Parquet segments), not through a
+The store has the real schema (polar_mitm.store), filled with store.add_segment (segment rows), not through a
 gateway. Each session is an agent loop shaped like a harness run: a 400-token system prompt + tools, then `turns`
 calls, each sampling 40 tokens (the last one an end-of-turn token) and getting a 60-token tool result.
 Besides the main lineage every session has a side call (a title request after turn 1) and an SDK retry
@@ -95,7 +95,7 @@ def build_store(path: Path, sessions: int, turns: int, seed: int = 0) -> None:
                 "completion_logprobs": list_array([-rng.random(len(s)) for s in samples], pa.float64()),
             }
         )
-        store.add_segment(con, path, chunk)
+        store.add_segment(con, chunk)
     con.close()
     store.Store(path).close()  # the exchanges view over the segments
     con = duckdb.connect(str(path))
@@ -105,7 +105,7 @@ def build_store(path: Path, sessions: int, turns: int, seed: int = 0) -> None:
 
 
 def store_bytes(db: Path) -> int:
-    """The DuckDB file and its Parquet segments."""
+    """The DuckDB file and anything beside it (schema 2's Parquet segments, snapshot exports)."""
     return db.stat().st_size + sum(f.stat().st_size for f in store.segments_dir(db).glob("*") if f.is_file())
 
 

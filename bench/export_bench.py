@@ -15,7 +15,7 @@ The store is SYNTHETIC (not recorded data), its sessions shaped as bench/assembl
 `--turns` calls (a 400-token system prompt, 40 sampled tokens and a 60-token tool result a turn, a title call,
 an SDK retry at turn 10; every 10th session rewritten mid-way), named as the rollout server names them, in tasks
 of 16 with rewards. Its layout is a running node's: the other sessions ran 512 at a time, their rows in commit
-order cut into 256-row Parquet segments as the writer cuts them (written with store.add_segment, to build 10,000
+order cut into 256-row segments as the writer cuts them (written with store.add_segment, to build 10,000
 sessions in seconds), so every segment holds rows of hundreds of sessions; the exported task's sessions are then
 committed row by row through `Store.commit_exchange` (the gateway's commit path) and recorded with the node's
 own `sessions` upsert.
@@ -66,7 +66,7 @@ def build_store(db: Path, sessions: int, task_sessions: int, turns: int) -> list
         for cut in range(0, len(rows), SEGMENT_ROWS):
             segment = rows[cut:cut + SEGMENT_ROWS]
             samples = [r["sample"] for r in segment]
-            store.add_segment(con, db, pa.table({
+            store.add_segment(con, pa.table({
                 "exchange_id": [f"{r['session_id']}-{r['seq']}" for r in segment], "session_id": [r["session_id"] for r in segment],
                 "seq": pa.array([r["seq"] for r in segment], pa.int32()), "api": ["openai_chat"] * len(segment), "action": ["generate"] * len(segment),
                 "status": ["ok"] * len(segment), "replay": [False] * len(segment), "model_engine": ["synthetic"] * len(segment), "finish_reason": ["stop"] * len(segment),
@@ -114,7 +114,7 @@ def export(db: str, task: list[str], out: str) -> dict[str, Any]:
         started = time.perf_counter()
         assemble(None, BUILDER, task[-1], store=live)
         build_s = time.perf_counter() - started
-        # the floor under any query of the `exchanges` view: it opens every segment file
+        # the floor under any query of the `exchanges` view: it reads every segment
         started = time.perf_counter()
         live.query("SELECT count(*) FROM exchanges WHERE session_id = ?", ["none"])
         view_s = time.perf_counter() - started
@@ -218,7 +218,7 @@ def write_report(args: argparse.Namespace, rows: list) -> None:
         f"From {rows[0][0]:,} to {rows[-1][0]:,} sessions in the store, the old export's CPU time grew {last['old']['export_cpu_s'] / first['old']['export_cpu_s']:.1f}x "
         f"and the new one's {last['new']['export_cpu_s'] / first['new']['export_cpu_s']:.1f}x (wall: {last['old']['export_s'] / first['old']['export_s']:.1f}x and "
         f"{last['new']['export_s'] / first['new']['export_s']:.1f}x). The new way reads the task's sessions only, in two queries on `exchanges` (what each session "
-        "holds, then its token lists); what is left of its growth is the floor under any query of that view, which opens every segment file "
+        "holds, then its token lists); what is left of its growth is the floor under any query of that view, which reads every segment "
         "(\"one query on `exchanges`\": a query that matches no row). \"same rows\": both ways wrote the same sequences, rewards and advantages, and the same group stats.",
     ]
     args.out.write_text("\n".join(lines) + "\n")

@@ -114,7 +114,7 @@ def write(db: str, seconds: float) -> None:
     elapsed = asyncio.run(main())
     writes_done(db).touch()  # before close() stops the SQL endpoint: the reader's next failed query is the end
     store.close()
-    # the DuckDB file and, since the journal store, its Parquet segments beside it
+    # the DuckDB file and what lies beside it (schema 2 kept its Parquet segments there)
     size = Path(db).stat().st_size + sum(f.stat().st_size for f in Path(db + ".segments").glob("*") if f.is_file())
     print(json.dumps({"rate": count / elapsed, "exchanges": count, "group_commits": store.commits, "db_mb": size / 2**20, "tokens": tokens}))
 

@@ -99,8 +99,9 @@ COUNTS_SQL = (
 
 def session_counts(read: store.StoreReader, session_ids: list[str]) -> dict[str, SessionCounts]:
     """What each of these sessions holds, in one query (a session without exchanges is left out). Any query on
-    the `exchanges` view opens every segment file (~0.3 s at 550 segments, bench/export_results.md), so a scoped
-    assembly asks it twice in all: this, and the token lists of its sessions."""
+    the `exchanges` view scans every segment table's scoping columns (with schema 2's Parquet files it opened every one:
+    ~0.3 s at 550 segments, bench/export_results.md), so a scoped assembly asks it twice in all: this, and the token
+    lists of its sessions."""
     if not session_ids:
         return {}
     _, rows = read.query(COUNTS_SQL, [min(session_ids), max(session_ids), session_ids])

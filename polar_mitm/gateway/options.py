@@ -202,7 +202,7 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "store_journal_mb", int, 32,
-        "A journal becomes a Parquet segment once its records reach this many MB (or 256 rows), so journal rows held in memory stay "
+        "A journal becomes a segment once its records reach this many MB (or 256 rows), so journal rows held in memory stay "
         "bounded whatever the rows' size. 0: by rows only.",
         "MB of records after which a journal becomes a segment (default 32; 0: 256 rows only)", metavar="MB",
     ),

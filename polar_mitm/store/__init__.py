@@ -3,8 +3,8 @@
 Modules, bottom up (each imports only those above it in this list, and nothing of polar_mitm outside the store):
     schema     the contract: exchange and session columns, ExchangeRow, MATERIAL, the trajectories schema
     records    journal records: how a row is written into a journal table and read back typed
-    segments   Parquet segments, the `exchanges` view over journals and segments, compaction steps, migration,
-               connect(): open a store file so its view finds the segments from any working directory
+    segments   segments (typed rows in the store file, exported to Parquet for snapshots), the `exchanges` view
+               over journals and segments, compaction steps, migration, connect()
     sql_endpoint  the loopback read-only SQL endpoint a gateway serves, and its control file
     by_path    query() / query_dicts(): read a store by its path from any process (directly, or through its gateway)
     views      the documented SQL views (session_timeline, token_usage, breaks, ...)
@@ -49,6 +49,7 @@ from polar_mitm.store.schema import (
     now,
 )
 from polar_mitm.store.segments import (
+    SEGMENT_PREFIX,
     SEGMENT_SELECT,
     SEGMENTS_TABLE,
     add_segment,
@@ -56,6 +57,7 @@ from polar_mitm.store.segments import (
     ensure_schema,
     exchanges_view_sql,
     segment_file,
+    segment_table,
     segments_dir,
     write_parquet,
 )
@@ -96,6 +98,8 @@ __all__ = [
     "READ_ONLY_STATEMENTS",
     "SCHEMA_VERSION",
     "SEGMENTS_TABLE",
+    "SEGMENT_PREFIX",
+    "segment_table",
     "SEGMENT_SELECT",
     "SESSION_ARROW_SCHEMA",
     "SESSION_COLUMNS",

@@ -1,5 +1,5 @@
-"""The store's compactor thread: full journals become Parquet segments (polar_mitm.store.segments), off the
-writer's thread, each installed by the writer in one transaction. A journal whose compaction failed (a full disk)
+"""The store's compactor thread: full journals become segment tables (polar_mitm.store.segments), off the writer's
+thread, each segment listed by the writer in one transaction. A journal whose compaction failed (a full disk)
 stays a journal, in the view, and is queued again after the writer's next new journal; the compactor itself never
 dies of a failure."""
 
@@ -11,13 +11,12 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import duckdb
 
 from polar_mitm.store.records import journal_table
-from polar_mitm.store.segments import checkpoint_soon, listed_segments, write_segment
+from polar_mitm.store.segments import checkpoint_soon, write_segment
 from polar_mitm.store.trouble import WriteTrouble, invalidates
 
 log = logging.getLogger("polar_mitm.store")
@@ -27,7 +26,6 @@ class Compaction:
     """The compactor's part of Store (a mixin: the attributes below are Store's)."""
 
     con: duckdb.DuckDBPyConnection
-    segments_dir: Path
     slice_bytes: int
     _journals: list[int]
     _compacting: set[int]  # journals queued for the compactor or being compacted
@@ -36,7 +34,7 @@ class Compaction:
     _handing: threading.Lock
     _compactions: queue.Queue[tuple[int, int | None] | None]
     _call_writer: Callable[[Any], None]
-    _install_segment: Callable[[duckdb.DuckDBPyConnection, int, str | None, int], None]
+    _install_segment: Callable[[duckdb.DuckDBPyConnection, int, int], None]
     _trouble: Callable[..., None]
     compaction_trouble: WriteTrouble
     _pending: Callable[..., Any]  # the writer's queued-step type
@@ -73,17 +71,17 @@ class Compaction:
         if number not in self._journals[:-1]:
             return  # compacted already (queued twice around a reopen)
         started = time.perf_counter()
-        file: str | None = None
         try:
             con = self.con.cursor()  # the current connection's: the writer may have reopened the file
-            file, rows = write_segment(con, number, self.segments_dir, journal_bytes, self.slice_bytes)
+            # its own transaction, beside the writer's commits (another table); unlisted, so outside the view
+            rows, slices = write_segment(con, number, journal_bytes, self.slice_bytes)
             written = time.perf_counter()
-            self._to_writer(lambda writer, number=number, file=file, rows=rows: self._install_segment(writer, number, file, rows))
+            self._to_writer(lambda writer, number=number, rows=rows: self._install_segment(writer, number, rows))
         except Exception as error:  # noqa: BLE001 - the journal stays (and stays in the view); compacted again later
+            # a segment table written without its listing stays outside the view: the next try replaces it, and
+            # the next open drops it
             self._trouble(f"compacting {journal_table(number)}, whose rows stay in the journal", error, compaction=True)
-            self._compacted.set()  # a writer waiting on the backlog goes on (and runs the step below)
-            if file is not None:
-                self._remove_unlisted(file)
+            self._compacted.set()  # a writer waiting on the backlog goes on
             return
         installed = time.perf_counter()
         self.compaction_trouble.writes_again()
@@ -94,7 +92,7 @@ class Compaction:
             self._trouble("checkpointing", error, compaction=not invalidates(error))
             return
         log.info(
-            f"polar-mitm: segment {number:06d}: {rows} exchanges written in {1000 * (written - started):.0f} ms, installed in "
+            f"polar-mitm: segment {number:06d}: {rows} exchanges written in {slices} slices in {1000 * (written - started):.0f} ms, installed in "
             f"{1000 * (installed - written):.0f} ms, {'checkpoint' if checkpointed else 'no checkpoint'} in {1000 * (time.perf_counter() - installed):.0f} ms"
         )
 
@@ -111,16 +109,3 @@ class Compaction:
         finally:
             with self._handing:
                 self._handed -= 1
-
-    def _remove_unlisted(self, file: str) -> None:
-        """Delete a segment file whose install failed, once the writer says it is not listed (a failed COMMIT may
-        still have been durable); if the writer cannot say, the next open removes it."""
-
-        def remove(con: duckdb.DuckDBPyConnection) -> None:
-            if file not in listed_segments(con):
-                (self.segments_dir / file).unlink(missing_ok=True)
-
-        try:
-            self._to_writer(remove)
-        except Exception:  # noqa: BLE001 - left for the next open (remove_unlisted_segments)
-            pass

@@ -21,7 +21,7 @@ from typing import Any, TypedDict
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3  # 1: an exchanges table; 2: Parquet segments beside the file; 3: segment tables in the file
 
 EXCHANGE_COLUMNS: dict[str, str] = {
     "exchange_id": "VARCHAR NOT NULL",
@@ -148,7 +148,7 @@ SESSION_COLUMNS: dict[str, str] = {
 EXCHANGES_DOC = (
     "One row per model exchange, in commit order within a session (seq): the request as received (API keys redacted), "
     "the engine request and reply as they crossed the wire, prompt and sampled token ids, sampled logprobs, finish "
-    "reason, status and timings. Recent rows come from the journal, older ones from Parquet segments."
+    "reason, status and timings. Recent rows come from the journal, older ones from compacted segments."
 )
 
 

@@ -1,4 +1,4 @@
-"""Segments: the immutable Parquet files that hold committed exchanges, and the `exchanges` view over them.
+"""Segments: the compacted exchanges, DuckDB tables inside the store's own file, and the `exchanges` view.
 
 Layout. `exchanges` is a view over two kinds of storage, with the contract's column types either way:
 
@@ -7,23 +7,29 @@ Layout. `exchanges` is a view over two kinds of storage, with the contract's col
   there: DuckDB writes a list column's whole uncheckpointed data into the WAL again on every commit (measured
   on 1.3 to 2.0: the Nth single-row commit of a 14k-id array logs N x 56 KB), which made each commit slower
   than the last until a checkpoint; a JSON record is logged once.
-- segments (`<db>.segments/NNNNNN-<random>.parquet`, listed in `exchange_segments`): immutable Parquet files
-  with INTEGER[] / DOUBLE[] columns. When a journal reaches `segment_rows` rows (or its records a size in MB) the
-  writer starts a new one, and a compactor thread copies the full journal into a segment (fsynced, then renamed),
-  after which the writer drops the journal and re-points the view in one transaction. A crash at any point leaves
-  either the journal or the segment registered, never both and never neither; leftover journals are compacted when
-  the store reopens.
+- segments (`exchange_segment_NNNNNN`, listed in `exchange_segments`): immutable tables with the contract's
+  INTEGER[] / DOUBLE[] columns. When a journal reaches `segment_rows` rows (or its records a size in MB) the writer
+  starts a new one, and a compactor thread copies the full journal into a new segment table in one transaction of
+  its own, after which the writer lists the segment, drops the journal and re-points the view in one transaction.
+  The view names only listed segments, so a crash at any point leaves each row visible exactly once (in its journal,
+  or in its listed segment); an unlisted segment table is dropped when the store reopens.
 
-Where the view finds its segments. The view names each segment relative to the folder that holds the database
-file (`hello.duckdb.segments/000001-….parquet`), so the store (the file and its segments folder) can be moved or
-copied as a whole and still opens. DuckDB resolves a relative path against the reading process's working
-directory first and then each folder of its `file_search_path` setting (a view cannot name its own database's
-folder: table-function arguments must be constants), so every connection the project opens sets that setting to
-the store's folder (`connect`); another tool opening the file sets it too, or runs in the store's folder. The
-random part of each segment's name keeps a reader whose working directory holds another store's segments
-folder of the same name from reading that one's files: a name is only ever one file's.
+One table per segment, not one table for all: DuckDB rewrites a table's last, partly filled row group (up to
+122,880 rows) at every checkpoint, so a checkpoint after each compaction into one shared table took longer the
+bigger the store (86 -> 630 ms over the first 11 segments, measured); a new table's checkpoint writes only itself.
 
-This module holds the steps (write a segment, register it, re-point the view, migrate schema 1); the writer
+Why tables, not Parquet files beside the database (schema 2): a view cannot name its own database's folder
+(table-function arguments must be constants), so a view over Parquet segments named them relative to the working
+directory or DuckDB's `file_search_path`, and any DuckDB client that opened the file without setting it first
+failed with "No files found". Everything is inside the `.duckdb` file now: `duckdb.connect(STORE)` from any folder,
+by any tool, reads every exchange, and a copied or moved file still does. A store written as schema 2 is migrated
+when a writer opens it (each Parquet segment loaded into its table; the files stay as their exports).
+
+Parquet is still what other machines read (snapshots, the Ray union): a segment's Parquet export
+(`<db>.segments/NNNNNN-<random>.parquet`, the name listed with the segment) is written the first time a snapshot
+needs it, and never again (segments are immutable and each name is only ever one file's).
+
+This module holds the steps (compact a journal, list a segment, re-point the view, export, migrate); the writer
 (polar_mitm.store.writer) decides when they run and on which thread.
 """
 
@@ -33,6 +39,7 @@ import logging
 import os
 import re
 import secrets
+import threading
 import time
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
@@ -42,7 +49,6 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
-from polar_mitm.errors import ConfigError
 from polar_mitm.store.records import JOURNAL_SELECT, journal_source, journal_table
 from polar_mitm.store.schema import (
     EXCHANGE_COLUMNS,
@@ -57,7 +63,12 @@ from polar_mitm.store.schema import (
 
 log = logging.getLogger("polar_mitm.store")
 
-SEGMENTS_TABLE = "exchange_segments"
+SEGMENTS_TABLE = "exchange_segments"  # one row per segment: its number, its Parquet export's name, rows
+SEGMENT_PREFIX = "exchange_segment_"  # a segment's table: exchange_segment_NNNNNN, the contract's columns
+
+
+def segment_table(number: int) -> str:
+    return f"{SEGMENT_PREFIX}{number:06d}"
 
 
 def segments_dir(db_path: str | os.PathLike[str]) -> Path:
@@ -65,7 +76,7 @@ def segments_dir(db_path: str | os.PathLike[str]) -> Path:
 
 
 def store_folder(db_path: str | os.PathLike[str]) -> Path:
-    """The absolute folder that holds the database file: what the view's segment paths are relative to."""
+    """The absolute folder that holds the database file: what a schema-2 view's segment paths are relative to."""
     return Path(os.path.abspath(db_path)).parent
 
 
@@ -90,17 +101,15 @@ def fetch_arrow(con: duckdb.DuckDBPyConnection, sql: str, params: list[Any] | No
 
 
 def connect(db_path: str | os.PathLike[str], read_only: bool = False) -> duckdb.DuckDBPyConnection:
-    """Open a store's DuckDB file so that its `exchanges` view finds the segments, whatever the working directory.
-
-    Sets DuckDB's `file_search_path` to the store's folder for the whole database instance (SET GLOBAL, not a
+    """Open a store's DuckDB file. A store of this schema needs nothing more (any client opens it bare); one of
+    schema 2 that no writer has opened since (read-only here) names its Parquet segments relative to its folder, so
+    DuckDB's `file_search_path` is set to that folder for the whole database instance (SET GLOBAL, not a
     connect-time config: DuckDB refuses a second connection to a file with a config that differs from the first).
     """
     folder = store_folder(db_path)
-    if "," in str(folder):
-        # file_search_path is a comma-separated list, with no quoting
-        raise ConfigError(f"--db {db_path}: a store's folder cannot contain a comma (DuckDB's file_search_path splits on commas): {folder}")
     con = duckdb.connect(str(db_path), read_only=read_only)
-    con.execute("SET GLOBAL file_search_path = ?", [str(folder)])
+    if "," not in str(folder):  # file_search_path is a comma-separated list, with no quoting
+        con.execute("SET GLOBAL file_search_path = ?", [str(folder)])
     return con
 
 
@@ -118,6 +127,7 @@ SEGMENT_SELECT = contract_select()
 # writer's thread at every compaction, which must not read every footer again
 _SEGMENT_COLUMNS: dict[str, frozenset[str]] = {}
 _ALL_COLUMNS = frozenset(EXCHANGE_COLUMNS)
+ALL_COLUMNS = tuple(EXCHANGE_COLUMNS)  # a segment table's columns, in order
 
 
 def segments_select(con: duckdb.DuckDBPyConnection, paths: list[str]) -> str:
@@ -139,41 +149,55 @@ def segment_file(number: int) -> str:
 
 
 # segment files a writer made (v2's NNNNNN.parquet too), and their temporary names
-_SEGMENT_NAME = re.compile(r"\d{6}(-[0-9a-f]{16})?\.parquet(\.tmp)?")
-
-
-def view_path(db_path: str | os.PathLike[str], file: str) -> str:
-    """How the view names a segment file: relative to the store's folder (`<db name>.segments/<file>`)."""
-    return f"{segments_dir(Path(db_path).name)}/{file}"
+_SEGMENT_NAME = re.compile(r"\d{6}(-[0-9a-f]{16})?\.parquet(\.[0-9-]+)?(\.tmp)?")
 
 
 def register_segment(con: duckdb.DuckDBPyConnection, number: int, file: str, rows: int) -> None:
     con.execute(f"INSERT INTO {SEGMENTS_TABLE} VALUES (?, ?, ?, ?)", [number, file, rows, now()])
 
 
-def listed_segments(con: duckdb.DuckDBPyConnection) -> list[str]:
-    """The segment files of the store, in segment order."""
-    return [file for (file,) in con.execute(f"SELECT file FROM {SEGMENTS_TABLE} ORDER BY segment").fetchall()]
+def listed_segments(con: duckdb.DuckDBPyConnection) -> list[tuple[int, str]]:
+    """The store's segments, (number, the name of its Parquet export), in segment order."""
+    return [(number, file) for number, file in con.execute(f"SELECT segment, file FROM {SEGMENTS_TABLE} ORDER BY segment").fetchall()]
 
 
 def remove_unlisted_segments(con: duckdb.DuckDBPyConnection, directory: Path) -> list[str]:
-    """Delete segment files no segment lists (a compaction a crash cut short); only the writer may call this."""
-    listed = set(listed_segments(con))
-    removed = []
+    """Drop segment tables and delete Parquet files no listed segment owns (a compaction a crash cut short, whose rows
+    are still in their journal); only the writer may call this. Returns what it removed."""
+    listed = listed_segments(con)
+    names = {segment_table(number) for number, _ in listed}
+    removed = sorted(name for name in tables(con) if re.fullmatch(SEGMENT_PREFIX + r"\d+", name) and name not in names)
+    for name in removed:
+        con.execute(f"DROP TABLE {name}")
+    files = {file for _, file in listed}
     if directory.is_dir():
         for path in sorted(directory.iterdir()):
-            if _SEGMENT_NAME.fullmatch(path.name) and path.name not in listed:
+            if _SEGMENT_NAME.fullmatch(path.name) and path.name not in files:
                 path.unlink()
                 removed.append(path.name)
     return removed
 
 
-def exchanges_view_sql(con: duckdb.DuckDBPyConnection, segment_paths: list[str], journals: list[int]) -> str:
-    """The view over these segments (as view_path names them) and journals."""
-    parts = []
-    if segment_paths:
-        files = ", ".join(quote(path) for path in segment_paths)
-        parts.append(f"SELECT {segments_select(con, segment_paths)} FROM read_parquet([{files}], union_by_name = true)")
+def segment_columns(con: duckdb.DuckDBPyConnection, segments: list[int]) -> dict[int, tuple[str, ...]]:
+    """Each segment table's columns, in order (a segment is immutable: the writer asks once, at open)."""
+    if not segments:
+        return {}
+    found = (
+        "SELECT table_name, list(column_name ORDER BY column_index) FROM duckdb_columns() "
+        "WHERE schema_name = 'main' AND table_name IN (SELECT unnest(?::VARCHAR[])) GROUP BY 1"
+    )
+    columns = dict(con.execute(found, [[segment_table(number) for number in segments]]).fetchall())
+    return {number: tuple(columns.get(segment_table(number), ())) for number in segments}
+
+
+def exchanges_view_sql(segments: dict[int, tuple[str, ...]], journals: list[int]) -> str:
+    """The view over these segments' tables (number -> its columns) and journals; a column a segment was made
+    without reads as NULL. A segment made with every column (in the contract's order and types, as create_segment
+    makes them) is read as `*`: the view's text, parsed at every query, stays short with thousands of segments."""
+    parts = [
+        f"SELECT {'*' if columns == ALL_COLUMNS else contract_select(set(columns))} FROM {segment_table(number)}"
+        for number, columns in sorted(segments.items())
+    ]
     parts += [f"SELECT {JOURNAL_SELECT} FROM {journal_source(number)}" for number in journals]
     return "CREATE OR REPLACE VIEW exchanges AS " + with_marks(" UNION ALL ".join(parts), MARKS_TABLE)
 
@@ -202,23 +226,32 @@ def tables(con: duckdb.DuckDBPyConnection) -> set[str]:
 
 
 def ensure_schema(con: duckdb.DuckDBPyConnection) -> None:
-    """The tables beside the exchanges (sessions, marks, meta, the segment list); Store makes journals and the view."""
+    """The tables beside the exchanges (sessions, marks, meta, the segment list); Store makes journals, segments and
+    the view."""
     create_table(con, "sessions", SESSION_COLUMNS)
     create_table(con, MARKS_TABLE, MARK_COLUMNS)
     con.execute(f"CREATE TABLE IF NOT EXISTS {SEGMENTS_TABLE} (segment INTEGER PRIMARY KEY, file VARCHAR NOT NULL, rows BIGINT, created_at TIMESTAMPTZ)")
     con.execute("CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR)")
 
 
-def write_view(con: duckdb.DuckDBPyConnection, db_path: str | os.PathLike[str], segment_files: list[str], journals: list[int]) -> None:
-    con.execute(exchanges_view_sql(con, [view_path(db_path, file) for file in segment_files], journals))
+def write_view(con: duckdb.DuckDBPyConnection, segments: dict[int, tuple[str, ...]], journals: list[int]) -> None:
+    con.execute(exchanges_view_sql(segments, journals))
     con.execute(f"COMMENT ON VIEW exchanges IS {quote(EXCHANGES_DOC)}")
 
 
-def write_segment(
-    con: duckdb.DuckDBPyConnection, number: int, directory: Path, journal_bytes: int | None = None, slice_bytes: int = 0,
-) -> tuple[str | None, int]:
-    """Copy journal `number` (no longer written to) into a new Parquet segment; returns its file (None when the
-    journal was empty) and the rows copied. `journal_bytes`: its records' size, when the writer counted it.
+def create_segment(con: duckdb.DuckDBPyConnection, number: int, select: str) -> None:
+    """Segment `number`'s table (replaced if a failed earlier try left one) with the contract's base types (no
+    constraint may fail a compaction), filled by `select` (named contract columns); in the caller's transaction."""
+    table = segment_table(number)
+    con.execute(f"DROP TABLE IF EXISTS {table}")
+    con.execute(f"CREATE TABLE {table} ({', '.join(f'{name} {base_type(kind)}' for name, kind in EXCHANGE_COLUMNS.items())})")
+    con.execute(f"INSERT INTO {table} BY NAME {select}")
+
+
+def write_segment(con: duckdb.DuckDBPyConnection, number: int, journal_bytes: int | None = None, slice_bytes: int = 0) -> tuple[int, int]:
+    """Copy journal `number` (no longer written to) into segment table `number`, in one transaction on `con`;
+    returns (rows copied, slices: INSERTs it took); no rows: the journal was empty (no table). The segment stays
+    out of the view until the writer lists it. `journal_bytes`: its records' size, when the writer counted it.
 
     `slice_bytes` (0: all at once): how many bytes of records are parsed at once. DuckDB parses a whole vector (up to
     2048 rows, so a whole journal) in one go and held ~5x its bytes meanwhile (measured: +300 MB for 256 rows of
@@ -226,47 +259,76 @@ def write_segment(
     table = journal_table(number)
     rows, size = con.execute(f"SELECT count(*), {'coalesce(sum(octet_length(head) + octet_length(body)), 0)' if journal_bytes is None else journal_bytes} FROM {table}").fetchall()[0]
     if not rows:
-        return None, 0
-    file = segment_file(number)
+        return 0, 0
     per_slice = max(1, rows * slice_bytes // max(size, 1)) if slice_bytes else rows
-    if per_slice >= rows:
-        write_parquet(con, f"SELECT {JOURNAL_SELECT} FROM {journal_source(number)}", directory / file)
-        return file, rows
-    # slices of rows (a journal's rowids are 0..rows-1: it is only ever appended to), one row group each
-    bounds = list(range(0, rows, per_slice))
-    where = [f"rowid >= {start}" + (f" AND rowid < {start + per_slice}" if start + per_slice < rows else "") for start in bounds]
-    select = " UNION ALL ".join(f"SELECT {JOURNAL_SELECT} FROM {journal_source(number, condition)}" for condition in where)
-    write_parquet(con, select, directory / file, row_group_rows=per_slice)
-    return file, rows
+    # slices of rows (a journal's rowids are 0..rows-1: it is only ever appended to), one INSERT each
+    where = [f"rowid >= {start} AND rowid < {start + per_slice}" if per_slice < rows else "" for start in range(0, rows, per_slice)]
+    with transaction(con):
+        create_segment(con, number, f"SELECT {JOURNAL_SELECT} FROM {journal_source(number, where[0])}")
+        for condition in where[1:]:
+            con.execute(f"INSERT INTO {segment_table(number)} BY NAME SELECT {JOURNAL_SELECT} FROM {journal_source(number, condition)}")
+    return rows, len(where)
 
 
-def migrate_v1(con: duckdb.DuckDBPyConnection, directory: Path) -> str | None:
-    """Schema 1 kept `exchanges` as a table: it becomes the next segment (its file returned; None if it was empty)."""
+def migrate_v1(con: duckdb.DuckDBPyConnection) -> int:
+    """Schema 1 kept `exchanges` as a table: its rows become the next segment (returns how many)."""
     is_table = con.execute("SELECT count(*) FROM duckdb_tables() WHERE schema_name = 'main' AND table_name = 'exchanges'").fetchall()[0][0]
     if not is_table:
-        return None
+        return 0
     number = next_segment(con)
-    rows = con.execute("SELECT count(*) FROM exchanges").fetchall()[0][0]
-    file = segment_file(number) if rows else None
-    if file is not None:
-        columns = {r[0] for r in con.execute("SELECT column_name FROM information_schema.columns WHERE table_name = 'exchanges'").fetchall()}
-        write_parquet(con, f"SELECT {contract_select(columns)} FROM exchanges", directory / file)
+    columns = {r[0] for r in con.execute("SELECT column_name FROM information_schema.columns WHERE table_name = 'exchanges'").fetchall()}
     with transaction(con):
-        if file is not None:
-            register_segment(con, number, file, rows)
+        rows = con.execute("SELECT count(*) FROM exchanges").fetchall()[0][0]
+        if rows:
+            create_segment(con, number, f"SELECT {contract_select(columns)} FROM exchanges")
+            register_segment(con, number, segment_file(number), rows)
         con.execute("DROP TABLE exchanges")
-    return file
+    return int(rows)
 
 
-def write_parquet(con: duckdb.DuckDBPyConnection, select: str, path: Path, row_group_rows: int | None = None) -> None:
-    """Write a segment durably: to a temporary name, fsynced, then renamed (a segment file is whole or absent).
-    A failure (a full disk) leaves neither: the temporary file is removed, so it holds no space."""
+def migrate_parquet_segments(con: duckdb.DuckDBPyConnection, directory: Path) -> list[int]:
+    """Schema 2 kept segments as Parquet files in `directory`: each listed one without its table yet is loaded into
+    one, a transaction each (an interrupted migration goes on at the next open). The files stay: they are the
+    segments' Parquet exports. Returns the segments loaded."""
+    present = tables(con)
+    migrated = []
+    for number, file in listed_segments(con):
+        if segment_table(number) in present:
+            continue
+        path = str((directory / file).resolve())
+        if not os.path.exists(path):
+            log.error(f"polar-mitm: segment {number:06d}'s file {path} is missing: its exchanges cannot be read")
+            continue
+        with transaction(con):
+            create_segment(con, number, f"SELECT {segments_select(con, [path])} FROM read_parquet({quote(path)})")
+        migrated.append(number)
+    return migrated
+
+
+def export_segments(con: duckdb.DuckDBPyConnection, directory: Path) -> list[str]:
+    """Every listed segment as a Parquet file in `directory` (absolute paths, in segment order), writing those not
+    written yet: what a snapshot hands another machine. Works on a read-only connection; a schema-2 store that no
+    writer migrated yet has every file already."""
+    present = tables(con)
+    paths = []
+    for number, file in listed_segments(con):
+        path = (directory / file).resolve()
+        if not path.exists() and segment_table(number) in present:
+            columns = {name for (name,) in con.execute("SELECT column_name FROM duckdb_columns() WHERE schema_name = 'main' AND table_name = ?", [segment_table(number)]).fetchall()}
+            write_parquet(con, f"SELECT {contract_select(columns)} FROM {segment_table(number)}", path)
+        paths.append(str(path))
+    return paths
+
+
+def write_parquet(con: duckdb.DuckDBPyConnection, select: str, path: Path) -> None:
+    """Write a segment's Parquet export durably: to a temporary name of this thread's, fsynced, then renamed (a
+    segment file is whole or absent, also while two snapshots export it at once). A failure (a full disk) leaves
+    neither: the temporary file is removed, so it holds no space."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(path.name + ".tmp")
-    row_groups = f", ROW_GROUP_SIZE {row_group_rows}" if row_group_rows else ""
+    temporary = path.with_name(f"{path.name}.{os.getpid()}-{threading.get_native_id()}.tmp")
     try:
         # lz4: about half zstd's CPU here (token ids are random-looking integers), in files ~1.5x the size
-        con.execute(f"COPY ({select}) TO {quote(str(temporary))} (FORMAT parquet, COMPRESSION lz4_raw{row_groups})")
+        con.execute(f"COPY ({select}) TO {quote(str(temporary))} (FORMAT parquet, COMPRESSION lz4_raw)")
         _fsync(temporary)
         os.replace(temporary, path)
     except BaseException:
@@ -295,16 +357,16 @@ def checkpoint_soon(con: duckdb.DuckDBPyConnection, attempts: int = 2000) -> boo
     return False
 
 
-def add_segment(con: duckdb.DuckDBPyConnection, db_path: str | os.PathLike[str], rows: pa.Table) -> None:
+def add_segment(con: duckdb.DuckDBPyConnection, rows: pa.Table) -> None:
     """Bulk-load exchange rows (an Arrow table, any subset of the columns) as a segment of a store no Store has open."""
     number = next_segment(con)
-    file = segment_file(number)
     con.register("polar_bulk_rows", rows)
     try:
-        write_parquet(con, f"SELECT {contract_select(rows.column_names)} FROM polar_bulk_rows", segments_dir(db_path) / file)
+        with transaction(con):
+            create_segment(con, number, f"SELECT {contract_select(rows.column_names)} FROM polar_bulk_rows")
+            register_segment(con, number, segment_file(number), rows.num_rows)
     finally:
         con.unregister("polar_bulk_rows")
-    register_segment(con, number, file, rows.num_rows)
 
 
 def next_segment(con: duckdb.DuckDBPyConnection) -> int:

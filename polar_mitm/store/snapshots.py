@@ -1,10 +1,11 @@
 """A store as Parquet files at one instant (a *snapshot*), and how another machine reads or copies them.
 
-Most of a store's exchanges are already immutable Parquet segments (`<db>.segments/NNNNNN-….parquet`); only the
-newest (< `segment_rows`) rows sit in journal tables inside the DuckDB file, which no other process can open
-while its writer holds it. So a snapshot is: the list of its segment files (nothing copied) plus two small
-Parquet files written on demand, the journal tail and the `sessions` table, taken in one DuckDB transaction so
-every row is in exactly one file. Only this module (inside the store) reads the segment table and the journals
+Most of a store's exchanges are immutable segments, each exported once as a Parquet file
+(`<db>.segments/NNNNNN-….parquet`, written the first time a snapshot needs it); only the newest (< `segment_rows`)
+rows sit in journal tables. The DuckDB file itself no other process can open while its writer holds it. So a
+snapshot is: the list of its segment files (nothing copied once exported) plus two small Parquet files written on
+demand, the journal tail and the `sessions` table, taken in one DuckDB transaction so every row is in exactly one
+file. Only this module (inside the store) reads the segment table and the journals
 for that; outside the store a snapshot is taken through `Store.snapshot` or `ClosedStore.snapshot`
 (polar_mitm.store.reading) and read through `UnionStore` / `write_catalog` (polar_mitm.store.union).
 
@@ -27,7 +28,7 @@ from pydantic import BaseModel
 
 from polar_mitm.store.records import JOURNAL_PREFIX, JOURNAL_SELECT, journal_source
 from polar_mitm.store.schema import MARKS_TABLE, quote
-from polar_mitm.store.segments import SEGMENTS_TABLE, segments_dir
+from polar_mitm.store.segments import export_segments, segments_dir
 
 
 class NodeSnapshot(BaseModel):
@@ -56,7 +57,8 @@ def snapshot_dir(db_path: str | os.PathLike[str]) -> Path:
 
 def snapshot_store(con: duckdb.DuckDBPyConnection, db_path: Path, node: str, out_dir: Path) -> NodeSnapshot:
     """The store open on `con` (its writer's connection, or a read-only one to a file nobody writes) as Parquet,
-    consistent at one instant; cheap: only the journal tail and `sessions` are written. Store-internal: outside
+    consistent at one instant; cheap: the journal tail and `sessions` are written, and each segment's Parquet
+    export once (the first snapshot of a big store writes them all). Store-internal: outside
     the store, take a snapshot through `Store.snapshot` / `ClosedStore.snapshot`."""
     started = time.perf_counter()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -67,8 +69,7 @@ def snapshot_store(con: duckdb.DuckDBPyConnection, db_path: Path, node: str, out
     cursor = con.cursor()
     try:
         cursor.execute("BEGIN TRANSACTION")  # the segment list and the journals as of one instant
-        folder = segments_dir(db_path).resolve()
-        segments = [str(folder / file) for (file,) in cursor.execute(f"SELECT file FROM {SEGMENTS_TABLE} ORDER BY segment").fetchall()]
+        segments = export_segments(cursor, segments_dir(db_path))
         journals = sorted(
             int(name[len(JOURNAL_PREFIX):])
             for (name,) in cursor.execute("SELECT table_name FROM duckdb_tables() WHERE schema_name = 'main' AND starts_with(table_name, ?)", [JOURNAL_PREFIX]).fetchall()

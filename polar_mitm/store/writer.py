@@ -2,7 +2,7 @@
 
 DuckDB allows one writing process per file. The gateway owns the file while it runs: a single writer
 thread does group commits (the event loop never touches DuckDB), a compactor thread turns full journals into
-Parquet segments (see polar_mitm.store.segments), and read-only SQL from other processes is answered by the
+segment tables (see polar_mitm.store.segments), and read-only SQL from other processes is answered by the
 gateway itself over a loopback control endpoint named in `<db>.control.json` (polar_mitm.store.sql_endpoint).
 """
 
@@ -40,15 +40,19 @@ from polar_mitm.store.schema import (
     trajectory_statements,
 )
 from polar_mitm.store.segments import (
+    ALL_COLUMNS,
     connect,
     ensure_schema,
     fetch,
     fetch_arrow,
     listed_segments,
+    migrate_parquet_segments,
     migrate_v1,
     next_segment,
     register_segment,
     remove_unlisted_segments,
+    segment_columns,
+    segment_file,
     segments_dir,
     tables,
     transaction,
@@ -108,18 +112,20 @@ class Store(Compaction):
         self.compaction_trouble = WriteTrouble(self.path, self.trouble.report, compaction=True)
         self.con = self._connect()
         ensure_schema(self.con)
-        migrate_v1(self.con, self.segments_dir)
-        self._segments = listed_segments(self.con)  # file names, in the segments folder
+        migrate_v1(self.con)
+        for number in migrate_parquet_segments(self.con, self.segments_dir):
+            log.info(f"polar-mitm: segment {number:06d} of {self.path} moved from its Parquet file into the store file (schema 2 to 3)")
+        self._segments = segment_columns(self.con, [number for number, _ in listed_segments(self.con)])
         self._journals = sorted(int(name[len(JOURNAL_PREFIX):]) for name in tables(self.con) if re.fullmatch(JOURNAL_PREFIX + r"\d+", name))
         self._next_number = max(next_segment(self.con), max(self._journals, default=0) + 1)
-        # journals left by a crash (or a hard stop) become segments before anything new is written; the view is
-        # written again either way, with paths relative to where the store is now
+        # what a crash cut short of a compaction goes (its rows are still in their journal); then journals left by
+        # a crash (or a hard stop) become segments before anything new is written
+        for name in remove_unlisted_segments(self.con, self.segments_dir):
+            log.info(f"polar-mitm: removed {name}, which a crash left unlisted (its rows were in a journal)")
         leftovers = list(self._journals)
         self._rotate(self.con)
         for number in leftovers:
             self._compact(self.con, number)
-        for name in remove_unlisted_segments(self.con, self.segments_dir):
-            log.info(f"polar-mitm: removed {name}, a segment file a crash left unlisted (its rows were in a journal)")
         self.con.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
         views.create_views(self.con)  # after the tables and the exchanges view they select from
         if self.con.execute("SELECT value FROM meta WHERE key = 'closed_cleanly'").fetchall() != [("true",)]:
@@ -315,7 +321,7 @@ class Store(Compaction):
             pass
         try:
             self.con = con = self._connect()
-            self._segments = listed_segments(con)
+            self._segments = segment_columns(con, [number for number, _ in listed_segments(con)])
             self._journals = sorted(int(name[len(JOURNAL_PREFIX):]) for name in tables(con) if re.fullmatch(JOURNAL_PREFIX + r"\d+", name))
             self._next_number = max(next_segment(con), max(self._journals, default=0) + 1)
             self._rotate(con)
@@ -418,28 +424,28 @@ class Store(Compaction):
         journals = self._journals + [number]
         with transaction(con):
             con.execute(f"CREATE TABLE {journal_table(number)} ({', '.join(f'{n} {t}' for n, t in JOURNAL_COLUMNS.items())})")
-            write_view(con, self.path, self._segments, journals)
+            write_view(con, self._segments, journals)
         self._next_number += 1
         full, self._journals, self._journal_rows, self._journal_bytes = self._journals, journals, 0, 0
         return full[-1] if full else None
 
-    def _install_segment(self, con: duckdb.DuckDBPyConnection, number: int, file: str | None, rows: int) -> None:
-        """Swap journal `number` for its segment `file` (None: the journal was empty) in one transaction: the rows
-        are never in both or in neither."""
-        if number not in self._journals[:-1] or (file is not None and not (self.segments_dir / file).exists()):
-            raise RuntimeError(f"{journal_table(number)} is no longer a full journal, or its segment {file} is gone (the store was reopened)")
-        segments = self._segments + ([file] if file is not None else [])
+    def _install_segment(self, con: duckdb.DuckDBPyConnection, number: int, rows: int) -> None:
+        """Swap journal `number` for its segment table (written by write_segment; 0 rows: the journal was empty, no
+        table) in one transaction: the view names the segment as the journal leaves it, never both or neither."""
+        if number not in self._journals[:-1]:
+            raise RuntimeError(f"{journal_table(number)} is no longer a full journal (the store was reopened)")
+        segments = {**self._segments, **({number: ALL_COLUMNS} if rows else {})}
         journals = [j for j in self._journals if j != number]
         with transaction(con):
-            if file is not None:
-                register_segment(con, number, file, rows)
-            write_view(con, self.path, segments, journals)
+            if rows:
+                register_segment(con, number, segment_file(number), rows)
+            write_view(con, segments, journals)
             con.execute(f"DROP TABLE {journal_table(number)}")
         self._segments, self._journals = segments, journals
 
     def _compact(self, con: duckdb.DuckDBPyConnection, number: int) -> None:
         """Journal to segment, all in the calling thread (start-up and close, when nothing else writes)."""
-        self._install_segment(con, number, *write_segment(con, number, self.segments_dir))
+        self._install_segment(con, number, write_segment(con, number)[0])
 
     # -- reads (any thread)
     def query(self, sql: str, params: list[Any] | None = None) -> tuple[list[str], list[tuple[Any, ...]]]:
@@ -452,8 +458,9 @@ class Store(Compaction):
         return fetch_arrow(self.con, sql, params)
 
     def snapshot(self, node: str, out_dir: Path | None = None) -> NodeSnapshot:
-        """The store as Parquet files at one instant (polar_mitm.store.snapshots), while the writer goes on: only
-        the journal tail and `sessions` are written, into `out_dir` (default `<db>.snapshots/`); absolute paths."""
+        """The store as Parquet files at one instant (polar_mitm.store.snapshots), while the writer goes on: the
+        journal tail and `sessions` are written into `out_dir` (default `<db>.snapshots/`), and each segment's export
+        the first time; absolute paths."""
         db = self.path.resolve()
         self._counted()
         return snapshot_store(self.con, db, node, out_dir or snapshot_dir(db))
@@ -470,7 +477,7 @@ class Store(Compaction):
         return sql_endpoint.sql_url(self._control)
 
     def close(self) -> None:
-        """Stop writing; every journal becomes a segment, so a closed store holds its exchanges in Parquet."""
+        """Stop writing; every journal becomes a segment, so a closed store holds its exchanges as typed columns."""
         if self._control is not None:
             sql_endpoint.stop_serving(self.path, self._control)
             self._control = None

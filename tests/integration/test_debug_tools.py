@@ -302,11 +302,9 @@ def test_views_on_a_real_run(debug_store) -> None:
         lengths = [f["n"] for f in firsts if f["harness"] == harness]
         assert sizes[harness]["avg_first_prompt_tokens"] == round(sum(lengths) / len(lengths))
         assert (sizes[harness]["sessions"], sizes[harness]["avg_tools"]) == (4, 3)
-    # with no gateway holding it, the file is plain DuckDB: views, their documentation, pandas (after the one line the
-    # README gives another tool: where the store's folder is, for the segments the view names relative to it)
+    # with no gateway holding it, the file is plain DuckDB, opened bare: views, their documentation, pandas
     con = duckdb.connect(str(db), read_only=True)
     try:
-        con.execute("SET file_search_path = ?", [str(db.parent)])
         frame = con.sql("SELECT * FROM token_usage").df()
         documented = dict(con.sql("SELECT view_name, comment FROM duckdb_views() WHERE NOT internal").fetchall())
     finally:

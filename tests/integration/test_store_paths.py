@@ -1,5 +1,5 @@
-"""A store is a folder-like unit: the `.duckdb` file and its `<db>.segments/` folder, made with a relative `--db`
-in one working directory, read from any other by every reader the README names, and movable or copyable as a whole.
+"""A store is its `.duckdb` file: made with a relative `--db` in one working directory, read from any other by every
+reader the README names (a bare DuckDB client included, with nothing set), and movable or copyable as a file.
 
 The stores come from tests/support/user_stores.py (a real gateway / the README's main job, run with `--db NAME.duckdb`
 in a directory of their own); the readers run with another working directory and name the store relative to it.
@@ -23,21 +23,17 @@ from polar_mitm.store import Store
 from tests.support.rows import exchange_row
 from tests.support.user_stores import UserStore, polar_mitm, user_env
 
-# an outside tool: the plain `duckdb` package (no polar_mitm), and pandas through it; argv: db, then the folder
-# for the one line the README gives (empty: nothing set)
+# an outside tool: the plain `duckdb` package (no polar_mitm, nothing set), and pandas through it; argv: db
 OUTSIDE = """
 import sys, duckdb
-db, folder = sys.argv[1:3]
-con = duckdb.connect(db, read_only=True)
-if folder:
-    con.execute("SET file_search_path = ?", [folder])
+con = duckdb.connect(sys.argv[1], read_only=True)
 print(con.sql("SELECT count(*) FROM exchanges").fetchall()[0][0])
 print(len(con.sql("SELECT exchange_id, prompt_token_ids FROM exchanges").df()))
 """
 
 
-def outside_tool(db: str, cwd: Path, folder: str = "") -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", OUTSIDE, db, folder], cwd=cwd, env=user_env(), capture_output=True, text=True, timeout=120)
+def outside_tool(db: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", OUTSIDE, db], cwd=cwd, env=user_env(), capture_output=True, text=True, timeout=120)
 
 
 def sql_count(db: str, cwd: Path) -> int:
@@ -58,17 +54,10 @@ def check_every_reader(target: UserStore, cwd: Path, monkeypatch: pytest.MonkeyP
         listed = store.query_dicts(relative, "SELECT session_id, count(*) AS n FROM exchanges GROUP BY ALL")
     assert counted == expected and {r["session_id"]: r["n"] for r in listed} == target.sessions
     assert sql_count(relative, cwd) == expected  # the `polar-mitm sql` console script
-    # the `duckdb` package as an outside tool would use it: the one line the README gives, then pandas
-    outside = outside_tool(relative, cwd, str(target.db.parent))
-    assert outside.returncode == 0, outside.stderr
-    assert outside.stdout.split() == [str(expected), str(expected)]
-    # the same tool run in the store's folder needs nothing set
-    inside = outside_tool(target.db.name, target.db.parent)
-    assert inside.returncode == 0 and inside.stdout.split() == [str(expected), str(expected)], inside.stderr
-    # pandas on the segments folder itself (a closed store holds all its exchanges in Parquet)
-    import pandas as pd
-
-    assert len(pd.read_parquet(store.segments_dir(target.db))) == expected
+    # the `duckdb` package as an outside tool would use it (nothing set), then pandas; here and in the store's folder
+    for db, where in ((relative, cwd), (target.db.name, target.db.parent)):
+        outside = outside_tool(db, where)
+        assert outside.returncode == 0 and outside.stdout.split() == [str(expected), str(expected)], outside.stderr
 
 
 @pytest.mark.engine
@@ -102,8 +91,7 @@ def test_the_readme_store_is_read_and_assembled_from_another_directory(readme_st
 def test_a_copied_store_opens_and_stays_its_own(run_store: UserStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     copy = tmp_path / "copied" / "run.duckdb"
     copy.parent.mkdir()
-    shutil.copy2(run_store.db, copy)
-    shutil.copytree(store.segments_dir(run_store.db), store.segments_dir(copy))
+    shutil.copy2(run_store.db, copy)  # the file alone: nothing of a store lives beside it
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     check_every_reader(UserStore(db=copy, sessions=run_store.sessions), elsewhere, monkeypatch)
@@ -120,7 +108,7 @@ def test_a_copied_store_opens_and_stays_its_own(run_store: UserStore, tmp_path: 
     expected = sum(run_store.sessions.values())
     assert sql_count(str(copy), elsewhere) == expected + 1
     assert sql_count(run_store.db.name, run_store.db.parent) == expected
-    # read from the original's folder, where a segments folder of the same name lies, the copy is still the copy
+    # read from the original's folder, the copy is still the copy
     assert sql_count(os.path.relpath(copy, run_store.db.parent), run_store.db.parent) == expected + 1
 
 
@@ -129,7 +117,6 @@ def test_a_store_in_a_read_only_folder_is_read_without_writing_to_it(run_store: 
     folder = tmp_path / "ro"
     folder.mkdir()
     shutil.copy2(run_store.db, folder / "run.duckdb")
-    shutil.copytree(store.segments_dir(run_store.db), store.segments_dir(folder / "run.duckdb"))
     before = {path: path.stat().st_mtime_ns for path in folder.rglob("*")}
     for path in [*before, folder]:
         path.chmod(0o555 if path.is_dir() else 0o444)

@@ -6,7 +6,8 @@
   program using the official `openai` SDK: a store without any rollout task.
 
 Both run the `polar-mitm` console script, as a user would; the gateway has stopped when they return (so the
-exchanges are in Parquet segments, the case that broke when the store was read from another directory).
+exchanges are in segments, which schema 2 kept as Parquet files beside the store: the case that broke when the store
+was read from another directory).
 """
 
 from __future__ import annotations

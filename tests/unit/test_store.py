@@ -1,4 +1,4 @@
-"""The DuckDB store on its own: journals, Parquet segments, crash safety, what the `exchanges` view returns."""
+"""The DuckDB store on its own: journals, segments, crash safety, a bare client, what the `exchanges` view returns."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import asyncio
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -224,9 +225,10 @@ def test_sigkill_mid_compaction_loses_and_duplicates_nothing(tmp_path: Path, aft
         seqs = reopened.query("SELECT session_id, list(seq ORDER BY seq) FROM exchanges GROUP BY ALL")[1]
     finally:
         reopened.close()
-    # a segment file the kill left unlisted (its journal was compacted again) is gone; every listed one is there
-    listed = sorted(r[0] for r in store.query(db, f"SELECT file FROM {store.SEGMENTS_TABLE}")[1])
-    assert sorted(path.name for path in store.segments_dir(db).iterdir()) == listed
+    # a segment table the kill left unlisted (its journal was compacted again) is gone; every listed one is there
+    listed = {store.segment_table(r[0]) for r in store.query(db, f"SELECT segment FROM {store.SEGMENTS_TABLE}")[1]}
+    present = {r[0] for r in store.query(db, f"SELECT table_name FROM duckdb_tables() WHERE starts_with(table_name, '{store.SEGMENT_PREFIX}')")[1]}
+    assert present == listed
     assert len(ids) == len(set(ids)), "an exchange is in a journal and a segment at once"
     assert set(committed) <= set(ids), "a committed exchange was lost"
     # counters the writer had not flushed are recounted from the exchanges; what the rollout wrote is kept
@@ -273,37 +275,56 @@ def test_live_queries_keep_the_optimizer(tmp_path: Path) -> None:
         target.close()
 
 
-def test_a_same_named_store_in_the_working_directory_is_never_read_instead(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """DuckDB resolves a relative path against the working directory before file_search_path: a segment's name
-    must therefore be only ever one file's, or `a/` reading `../b/s.duckdb` would read a's segments."""
-    sizes = {"a": 3, "b": 5}
-    for name, rows in sizes.items():
-        (tmp_path / name).mkdir()
-        monkeypatch.chdir(tmp_path / name)
-        writer = Store("s.duckdb", segment_rows=2)
-        try:
-            for seq in range(1, rows + 1):
-                asyncio.run(writer.commit_exchange(exchange_row(f"session-{name}", seq, prompt_len=20)))
-        finally:
-            writer.close()
-    monkeypatch.chdir(tmp_path / "a")
-    assert store.query("../b/s.duckdb", "SELECT session_id, count(*) FROM exchanges GROUP BY ALL")[1] == [["session-b", 5]]
-    assert store.query("s.duckdb", "SELECT session_id, count(*) FROM exchanges GROUP BY ALL")[1] == [["session-a", 3]]
-
-
-def test_a_renamed_or_moved_store_opens_and_its_view_follows_the_next_writer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_closed_store_opens_bare_in_any_duckdb_client_from_any_folder_and_moved_or_copied(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Everything is in the `.duckdb` file: a plain `duckdb.connect(path)` (no helper, no setting) reads every
+    exchange, segments and journals, from any working directory, after the file alone was moved or copied."""
     monkeypatch.chdir(tmp_path)
     writer = Store("first.duckdb", segment_rows=2)
+    rows = [exchange_row("s", seq, prompt_len=20) for seq in (1, 2, 3, 4, 5)]
     try:
-        for seq in (1, 2, 3):
-            asyncio.run(writer.commit_exchange(exchange_row("s", seq, prompt_len=20)))
+        for row in rows:
+            asyncio.run(writer.commit_exchange(row))
+        _wait_for_segments(writer, 2)
     finally:
         writer.close()
     moved = tmp_path / "moved" / "second.duckdb"
     moved.parent.mkdir()
     os.rename("first.duckdb", moved)
-    os.rename("first.duckdb.segments", store.segments_dir(moved))
-    writer = Store(moved)  # the writer names the segments after the file again
-    writer.close()
-    monkeypatch.chdir(moved.parent.parent.parent)
-    assert store.query(moved, "SELECT count(*) FROM exchanges")[1] == [[3]]
+    copied = tmp_path / "copies" / "third.duckdb"
+    copied.parent.mkdir()
+    shutil.copy(moved, copied)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    expected = sorted((row["exchange_id"], list(row["prompt_token_ids"])) for row in rows)
+    for path in (moved, copied, Path("../moved/second.duckdb")):
+        con = duckdb.connect(str(path), read_only=True)
+        try:
+            assert sorted(con.execute("SELECT exchange_id, prompt_token_ids FROM exchanges").fetchall()) == expected
+        finally:
+            con.close()
+    assert not any(tmp_path.rglob("*.parquet"))  # nothing beside the file: no snapshot was taken
+
+
+def test_a_killed_writers_store_opens_bare_with_its_journal(tmp_path: Path) -> None:
+    """A store whose writer was SIGKILLed (rows still in journals) reads bare too, every committed row."""
+    db = tmp_path / "crash.duckdb"
+    script = tmp_path / "writer.py"
+    script.write_text(CRASH_WRITER.format(tests=str(Path(__file__).parent), db=str(db)))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    writer = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
+    assert writer.stdout is not None
+    committed = [writer.stdout.readline().strip() for _ in range(15)]
+    writer.send_signal(signal.SIGKILL)
+    writer.wait()
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        ids = [r[0] for r in con.execute("SELECT exchange_id FROM exchanges").fetchall()]
+    finally:
+        con.close()
+    assert set(committed) <= set(ids) and len(ids) == len(set(ids))
+
+
+def _wait_for_segments(target: Store, count: int) -> None:
+    deadline = time.monotonic() + 30
+    while target.query(f"SELECT count(*) FROM {store.SEGMENTS_TABLE}")[1][0][0] < count and time.monotonic() < deadline:
+        time.sleep(0.05)
