@@ -3,7 +3,9 @@ engine venv, Python 3.11), a LoRA on SmolLM2-135M-Instruct, two optimizer steps,
 model call (the OpenAI Agents SDK facts agent of examples/agents/, Responses API, routed by proxy settings only)
 through the rollout server's gateway to the real vLLM engine, unsteered. The agent asks for at most 128 tokens a
 call itself (its own `max_tokens`, POLAR_AGENT_MAX_TOKENS): SmolLM2 otherwise rambles up to its context limit, minutes
-a call on a loaded 2-core machine; the uncapped run of this agent is test_agent_frameworks'.
+a call on a loaded 2-core machine; the uncapped run of this agent is test_agent_frameworks'. Each call that reaches
+128 tokens fails its Agents SDK run (masked out for TRL); with 2 sessions a prompt, all four of a step's sessions did so
+once in a full suite (a step with nothing to train on), so each prompt gets 4.
 
 `examples/trl_grpo.py` runs as a user runs it, from a fresh folder: TRL's `rollout_func` is
 polar_mitm.integrations.trl.PolarRollouts, which pushes the trainer's adapter into the running engine before each
@@ -51,7 +53,7 @@ def test_trl_grpo_trainer_trains_two_steps_on_real_agent_sessions_with_the_store
     work.mkdir()
     command = [
         trainer_python, str(EXAMPLE), "--server", url, "--engine", lora_engine, "--task", str(TASK),
-        "--out", "run", "--steps", "2", "--prompts", "2", "--num-generations", "2", "--received", "received.jsonl",
+        "--out", "run", "--steps", "2", "--prompts", "2", "--num-generations", "4", "--received", "received.jsonl",
         "--agent-env", "POLAR_AGENT_MAX_TOKENS=128",
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=1500, cwd=work, env=build.engine_python_env())
@@ -72,8 +74,8 @@ def test_trl_grpo_trainer_trains_two_steps_on_real_agent_sessions_with_the_store
         assert row["mismatch_mean"] < 0.25 and row["shifted_mismatch_mean"] > 4 * row["mismatch_mean"], row
 
     received = [json.loads(line) for line in (work / "received.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in received] == [0] * 4 + [1] * 4  # 2 prompts x 2 sessions per step
-    assert len({r["session_id"] for r in received}) == 8
+    assert [r["step"] for r in received] == [0] * 8 + [1] * 8  # 2 prompts x 4 sessions per step
+    assert len({r["session_id"] for r in received}) == 16
 
     # what TRL received is the sequence the integration chose from each task's Parquet (its last one) ...
     tasks = httpx.get(url + "/tasks", timeout=30, trust_env=False).json()
