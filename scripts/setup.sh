@@ -17,6 +17,9 @@ fi
 sandboxes/harnesses/install.sh
 sandboxes/agents-py/install.sh  # the PyPI coding agents (mini-swe-agent, Aider, OpenHands SDK, Hermes Agent, gptme, ...): a pinned venv each
 sandboxes/agents-frameworks/install.sh  # the agent frameworks of examples/agents/ (OpenAI Agents SDK, pydantic-ai, smolagents), a venv of their own
+# iproute2 and iptables for the transparent-capture tests (tests/integration/test_transparent_capture.py, as root: CI);
+# Docker's package brings iptables too, but only once the Docker tests start, after pytest has skipped those
+command -v iptables >/dev/null && command -v ip >/dev/null || { [ "$(id -u)" = 0 ] && apt-get update -q >/dev/null && apt-get install -y -q iptables iproute2 >/dev/null; } || echo "setup: no iptables/iproute2 (apt-get install iptables iproute2, as root): the transparent-capture tests will skip"
 # headless Chromium (Debian's package) for the dashboard's browser tests, tests/integration/test_ui.py (as root: CI)
 command -v chromium >/dev/null || { [ "$(id -u)" = 0 ] && apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; } || echo "setup: no chromium (apt-get install chromium, as root): the dashboard's browser tests will skip"
 echo "setup: done"
