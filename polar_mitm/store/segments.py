@@ -49,6 +49,7 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
+from polar_mitm.errors import ConfigError
 from polar_mitm.store.records import JOURNAL_SELECT, journal_source, journal_table
 from polar_mitm.store.schema import (
     EXCHANGE_COLUMNS,
@@ -123,11 +124,11 @@ def contract_select(present: Collection[str] | None = None) -> str:
 SEGMENT_SELECT = contract_select()
 
 
-# the columns of each segment file seen (a segment is immutable and its name unique): the view is re-pointed on the
-# writer's thread at every compaction, which must not read every footer again
+ALL_COLUMNS = tuple(EXCHANGE_COLUMNS)  # a segment table's columns, in order, as create_segment makes them
+_ALL_COLUMNS = frozenset(ALL_COLUMNS)
+# the columns of each Parquet file seen (a segment's export is immutable and its name unique): a head's union views
+# and a schema-2 migration read each footer once
 _SEGMENT_COLUMNS: dict[str, frozenset[str]] = {}
-_ALL_COLUMNS = frozenset(EXCHANGE_COLUMNS)
-ALL_COLUMNS = tuple(EXCHANGE_COLUMNS)  # a segment table's columns, in order
 
 
 def segments_select(con: duckdb.DuckDBPyConnection, paths: list[str]) -> str:
@@ -178,16 +179,15 @@ def remove_unlisted_segments(con: duckdb.DuckDBPyConnection, directory: Path) ->
     return removed
 
 
-def segment_columns(con: duckdb.DuckDBPyConnection, segments: list[int]) -> dict[int, tuple[str, ...]]:
-    """Each segment table's columns, in order (a segment is immutable: the writer asks once, at open)."""
-    if not segments:
-        return {}
+def segment_columns(con: duckdb.DuckDBPyConnection) -> dict[int, tuple[str, ...]]:
+    """Each listed segment's table columns, in order; () for a segment without a table (schema 2's, not migrated).
+    A segment is immutable: the writer asks once, at open."""
     found = (
         "SELECT table_name, list(column_name ORDER BY column_index) FROM duckdb_columns() "
-        "WHERE schema_name = 'main' AND table_name IN (SELECT unnest(?::VARCHAR[])) GROUP BY 1"
+        "WHERE schema_name = 'main' AND starts_with(table_name, ?) GROUP BY 1"
     )
-    columns = dict(con.execute(found, [[segment_table(number) for number in segments]]).fetchall())
-    return {number: tuple(columns.get(segment_table(number), ())) for number in segments}
+    columns = dict(con.execute(found, [SEGMENT_PREFIX]).fetchall())
+    return {number: tuple(columns.get(segment_table(number), ())) for number, _ in listed_segments(con)}
 
 
 def exchanges_view_sql(segments: dict[int, tuple[str, ...]], journals: list[int]) -> str:
@@ -297,8 +297,10 @@ def migrate_parquet_segments(con: duckdb.DuckDBPyConnection, directory: Path) ->
             continue
         path = str((directory / file).resolve())
         if not os.path.exists(path):
-            log.error(f"polar-mitm: segment {number:06d}'s file {path} is missing: its exchanges cannot be read")
-            continue
+            raise ConfigError(
+                f"the store's segment {number:06d} is listed in {SEGMENTS_TABLE} but its file {path} is missing: put it back "
+                "(the store of schema 2 keeps its segments beside it, in <db>.segments/) and start again"
+            )
         with transaction(con):
             create_segment(con, number, f"SELECT {segments_select(con, [path])} FROM read_parquet({quote(path)})")
         migrated.append(number)
@@ -309,13 +311,11 @@ def export_segments(con: duckdb.DuckDBPyConnection, directory: Path) -> list[str
     """Every listed segment as a Parquet file in `directory` (absolute paths, in segment order), writing those not
     written yet: what a snapshot hands another machine. Works on a read-only connection; a schema-2 store that no
     writer migrated yet has every file already."""
-    present = tables(con)
-    paths = []
-    for number, file in listed_segments(con):
-        path = (directory / file).resolve()
-        if not path.exists() and segment_table(number) in present:
-            columns = {name for (name,) in con.execute("SELECT column_name FROM duckdb_columns() WHERE schema_name = 'main' AND table_name = ?", [segment_table(number)]).fetchall()}
-            write_parquet(con, f"SELECT {contract_select(columns)} FROM {segment_table(number)}", path)
+    files, paths = dict(listed_segments(con)), []
+    for number, columns in segment_columns(con).items():
+        path = (directory / files[number]).resolve()
+        if not path.exists() and columns:
+            write_parquet(con, f"SELECT {contract_select(set(columns))} FROM {segment_table(number)}", path)
         paths.append(str(path))
     return paths
 

@@ -45,7 +45,6 @@ from polar_mitm.store.segments import (
     ensure_schema,
     fetch,
     fetch_arrow,
-    listed_segments,
     migrate_parquet_segments,
     migrate_v1,
     next_segment,
@@ -115,7 +114,7 @@ class Store(Compaction):
         migrate_v1(self.con)
         for number in migrate_parquet_segments(self.con, self.segments_dir):
             log.info(f"polar-mitm: segment {number:06d} of {self.path} moved from its Parquet file into the store file (schema 2 to 3)")
-        self._segments = segment_columns(self.con, [number for number, _ in listed_segments(self.con)])
+        self._segments = segment_columns(self.con)
         self._journals = sorted(int(name[len(JOURNAL_PREFIX):]) for name in tables(self.con) if re.fullmatch(JOURNAL_PREFIX + r"\d+", name))
         self._next_number = max(next_segment(self.con), max(self._journals, default=0) + 1)
         # what a crash cut short of a compaction goes (its rows are still in their journal); then journals left by
@@ -321,7 +320,7 @@ class Store(Compaction):
             pass
         try:
             self.con = con = self._connect()
-            self._segments = segment_columns(con, [number for number, _ in listed_segments(con)])
+            self._segments = segment_columns(con)
             self._journals = sorted(int(name[len(JOURNAL_PREFIX):]) for name in tables(con) if re.fullmatch(JOURNAL_PREFIX + r"\d+", name))
             self._next_number = max(next_segment(con), max(self._journals, default=0) + 1)
             self._rotate(con)

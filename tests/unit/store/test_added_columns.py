@@ -14,6 +14,7 @@ import duckdb
 import pytest
 
 from polar_mitm import store
+from polar_mitm.errors import ConfigError
 from polar_mitm.store import Store
 from tests.support.store_v2 import downgrade_to_schema_2
 
@@ -97,3 +98,12 @@ def test_a_schema_2_store_is_migrated_into_its_file_at_open(tmp_path: Path, monk
         assert con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchall() == [(str(store.SCHEMA_VERSION),)]
     finally:
         con.close()
+
+
+def test_a_schema_2_store_missing_a_segment_file_says_which_at_open(tmp_path: Path) -> None:
+    db = tmp_path / "v2.duckdb"
+    closed_store(db)
+    [file] = downgrade_to_schema_2(db)
+    file.unlink()
+    with pytest.raises(ConfigError, match=f"segment 000001 .* its file {file} is missing"):
+        Store(db)
