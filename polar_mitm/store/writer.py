@@ -25,6 +25,7 @@ import duckdb
 import pyarrow as pa
 
 from polar_mitm.store import sql_endpoint, views
+from polar_mitm.store.cache import SegmentCache
 from polar_mitm.store.compactor import Compaction
 from polar_mitm.store.records import (
     JOURNAL_COLUMNS,
@@ -110,6 +111,8 @@ class Store(Compaction):
         self.trouble = WriteTrouble(self.path, report or (lambda message: log.warning(f"polar-mitm: {message}")))
         self.compaction_trouble = WriteTrouble(self.path, self.trouble.report, compaction=True)
         self.con = self._connect()
+        # the memory limit each cut of DuckDB's cache restores (polar_mitm.store.cache): ours, or DuckDB's default
+        self._cache = SegmentCache(f"{memory_mb}MB" if memory_mb else self.con.execute("SELECT current_setting('memory_limit')").fetchall()[0][0])
         ensure_schema(self.con)
         migrate_v1(self.con)
         for number in migrate_parquet_segments(self.con, self.segments_dir):
@@ -163,27 +166,16 @@ class Store(Compaction):
     # -- writes
     async def commit_exchange(self, row: ExchangeRow) -> None:
         """Commit one exchange row; returns only once it is durable in DuckDB."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[None] = loop.create_future()
-
-        def done(error: BaseException | None) -> None:
-            def settle() -> None:
-                if future.done():
-                    return
-                if error is None:
-                    future.set_result(None)
-                else:
-                    future.set_exception(error)
-
-            loop.call_soon_threadsafe(settle)
-
         # the row is converted in the writer thread, in bulk: the event loop only queues it
-        self._queue.put(_Pending(row=row, done=done))
-        await future
+        await self._written(_Pending(row=row))
 
     async def commit_mark(self, exchange_id: str, status: str, error: str) -> None:
         """Commit a later status for a committed exchange (schema.MARKS_TABLE: a reply that could not be
         delivered); the `exchanges` view shows it instead of the row's own. Returns once it is durable."""
+        await self._written(_Pending(f"INSERT OR REPLACE INTO {MARKS_TABLE} VALUES (?, ?, ?, ?)", [exchange_id, status, error, now()]))
+
+    async def _written(self, item: _Pending) -> None:
+        """Queue `item` for the writer thread and wait (on the event loop) until it is durable; raises its failure."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
 
@@ -191,10 +183,8 @@ class Store(Compaction):
             if not future.done():
                 future.set_exception(error) if error is not None else future.set_result(None)
 
-        def done(error: BaseException | None) -> None:
-            loop.call_soon_threadsafe(settle, error)
-
-        self._queue.put(_Pending(f"INSERT OR REPLACE INTO {MARKS_TABLE} VALUES (?, ?, ?, ?)", [exchange_id, status, error, now()], done=done))
+        item.done = lambda error: loop.call_soon_threadsafe(settle, error)
+        self._queue.put(item)
         await future
 
     def execute_write(self, sql: str, params: list[Any] | None = None) -> None:
@@ -449,12 +439,14 @@ class Store(Compaction):
     # -- reads (any thread)
     def query(self, sql: str, params: list[Any] | None = None) -> tuple[list[str], list[tuple[Any, ...]]]:
         self._counted(sql)
-        return fetch(self.con, sql, params)
+        with self._cache.reading():
+            return fetch(self.con, sql, params)
 
     def arrow(self, sql: str, params: list[Any] | None = None) -> pa.Table:
         """The result of read-only SQL as an Arrow table (list columns as Arrow buffers, no Python object per value)."""
         self._counted(sql)
-        return fetch_arrow(self.con, sql, params)
+        with self._cache.reading():
+            return fetch_arrow(self.con, sql, params)
 
     def snapshot(self, node: str, out_dir: Path | None = None) -> NodeSnapshot:
         """The store as Parquet files at one instant (polar_mitm.store.snapshots), while the writer goes on: the
@@ -462,7 +454,8 @@ class Store(Compaction):
         the first time; absolute paths."""
         db = self.path.resolve()
         self._counted()
-        return snapshot_store(self.con, db, node, out_dir or snapshot_dir(db))
+        with self._cache.reading():
+            return snapshot_store(self.con, db, node, out_dir or snapshot_dir(db))
 
     # -- the control endpoint for readers in other processes
     def load_trajectories(self, parquet: Path) -> None:
