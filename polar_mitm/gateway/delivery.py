@@ -25,7 +25,10 @@ committed `ok` (`Deliveries.committed`, then `response`):
 "Marked": the row gets a mark (Store.commit_mark, schema.MARKS_TABLE) with status `client_disconnected` and the
 reason; the `exchanges` view shows the mark instead of the committed status, so the reply is never trained on.
 What no kernel can say: a client that read the bytes into its own buffers and then gave up on them anyway (a
-timer that fired in the same instant); that reply was delivered, as far as TCP goes.
+timer that fired in the same instant); that reply was delivered, as far as TCP goes. Nor a streamed client that
+closes a few ms after the last events reached it (the line still open when they were written), not having read
+them: its reset looks just like that of a client that read them and left the final chunk unread, which is kept
+`ok`; telling them apart would mean holding every stream's final chunk back (seen once under a full suite's load).
 
 Only plain TCP client connections have a socket to ask (regular and transparent proxy modes); mitmproxy's own
 replays and its Rust-side modes (WireGuard, local) fall back to mitmproxy's view (`flows.client_gone`).

@@ -25,6 +25,7 @@ import httpx
 import openai
 import pytest
 
+from polar_mitm.gateway.delivery import SETTLE_S
 from polar_mitm.util import free_port
 from tests.support.gatewayproc import Gateway
 from tests.support.upstream_standins import PacedStandinEngine
@@ -173,10 +174,16 @@ def test_every_reply_its_client_did_not_read_is_client_disconnected_at_64_sessio
         abandoned = [call for call in calls if not call.complete]
         read = [call for call in calls if call.complete]
         # with how long after its row was committed (the reply written right after) the client closed
-        wrongly_kept = [
-            (call.kind, call.detail, rows[call.call_id]["status"], f"closed {call.closed_at - committed_at(rows[call.call_id]):+.3f}s after the commit")
+        kept = [
+            (call.kind, call.detail, rows[call.call_id]["status"], call.closed_at - committed_at(rows[call.call_id]))
             for call in abandoned if call.call_id in rows and rows[call.call_id]["status"] != "client_disconnected"
         ]
+        # what no kernel can say (gateway/delivery.py): a streamed client that closes a few ms after the reply's last
+        # events reached it, unread, resets just as one that read them and left the final chunk unread does; seen
+        # once in a full suite's run (closed 20 ms after the commit), never when this test runs alone
+        undecidable = [entry for entry in kept if entry[0] == "stream_hangup" and 0 <= entry[3] <= 2 * SETTLE_S]
+        assert len(undecidable) <= 2, undecidable
+        wrongly_kept = [(*entry[:3], f"closed {entry[3]:+.3f}s after the commit") for entry in kept if entry not in undecidable]
         wrongly_dropped = [(call.kind, rows[call.call_id]["status"], rows[call.call_id]["error"]) for call in read if call.call_id in rows and rows[call.call_id]["status"] != "ok"]
         summary = f"{len(calls)} calls in {took:.1f}s: {len(abandoned)} abandoned, {len(read)} read whole"
         marked = [call for call in abandoned if "not delivered" in (rows.get(call.call_id, {}).get("error") or "")]
