@@ -194,6 +194,13 @@ OPTIONS: tuple[Option, ...] = (
         "tokens mode: the tool-call format the model samples (default auto: from the chat template)", choices=Choices("polar_mitm.render.parsers:TOOL_FORMATS"),
     ),
     Option(
+        "lineage_mb", int, 192,
+        "Tokens mode: how many MB the lineages of all sessions (each answered turn's token ids and history, for bridging the "
+        "next turn token-exactly) may hold in memory; past it the least recently used session goes, and its next turn is "
+        "read back from the store. Sized for ~100 sessions of 30 turns growing to 20k tokens.",
+        "tokens mode: MB of session lineages held in memory (default 192; older sessions are read back from the store)", metavar="MB",
+    ),
+    Option(
         "store_memory_mb", int, 512,
         "DuckDB's memory limit for the store, in MB: its block cache, the journal rows not yet compacted, a compaction and the SQL of "
         "readers of this gateway (beyond it DuckDB spills to <db>.tmp/ where it can, else fails the statement; a refused commit is "

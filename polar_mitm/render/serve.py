@@ -45,7 +45,7 @@ class TokenPath:
 
     def __init__(
         self, engine: EngineClient, model: str | None = None, tool_format: str = parsers.AUTO,
-        stored: Callable[[], StoreReader | None] | None = None, fallback: bool = False,
+        stored: Callable[[], StoreReader | None] | None = None, fallback: bool = False, lineage_bytes: int = bridge.MAX_LINEAGE_BYTES,
     ):
         if tool_format != parsers.AUTO:
             parsers.TOOL_PARSERS.get(tool_format)  # an unknown format: ConfigError naming the valid ones, before any request
@@ -55,7 +55,7 @@ class TokenPath:
         self.stored = stored  # the store a lineage no longer in memory is read back from (the gateway's, when open)
         self.model = model  # a model directory or local Hugging Face id; None: the engine's own model directory
         self.tool_format = tool_format
-        self.lineages = bridge.Lineages()
+        self.lineages = bridge.Lineages(max_bytes=lineage_bytes)
         self._renderer: Renderer | None = None
         self._load_error: RenderError | None = None
         self._loading: asyncio.Lock | None = None

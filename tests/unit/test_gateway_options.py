@@ -39,7 +39,7 @@ def _values(tmp_path: Path) -> dict[str, Any]:
         "passthrough": ["*.example.org"], "engine_hook": f"{hook}:hook", "sql_port": free_port(),
         "render": "tokens", "render_model": str(tmp_path / "model"), "tool_parser": "qwen3_coder",
         "policy_version": 7, "control_token": "t0k", "keepalive_interval": 2.5,
-        "store_memory_mb": 300, "store_journal_mb": 16, "store_compact_slice_mb": 4,
+        "store_memory_mb": 300, "store_journal_mb": 16, "store_compact_slice_mb": 4, "lineage_mb": 48,
     }
 
 
@@ -143,5 +143,26 @@ def test_values_are_checked_in_the_addons_configure(tmp_path: Path) -> None:
                     master.options.update(**{option: value})
         finally:
             assert master.addons.get("polaraddon").store is None and not (tmp_path / "store.duckdb").exists()
+
+    asyncio.run(main())
+
+
+def test_lineage_mb_bounds_the_tokens_modes_lineages_and_defaults_to_the_bridges_bound(tmp_path: Path) -> None:
+    from mitmproxy.exceptions import OptionsError
+
+    from polar_mitm.gateway import server
+    from polar_mitm.render import bridge
+
+    assert {option.name: option.default for option in options.OPTIONS}["lineage_mb"] << 20 == bridge.MAX_LINEAGE_BYTES
+
+    async def main() -> None:
+        config = GatewayConfig(upstream="http://127.0.0.1:9/v1", db=tmp_path / "store.duckdb", confdir=str(tmp_path / "confdir"), render="tokens", lineage_mb=48)
+        addon = server.make_master(config).addons.get("polaraddon")
+        assert addon.tokens is not None and addon.tokens.lineages.max_bytes == 48 << 20
+        master = server.make_master(config)
+        master.options.update(polar_lineage_mb=64)  # changed while running: a new token path with the new bound
+        assert master.addons.get("polaraddon").tokens.lineages.max_bytes == 64 << 20
+        with pytest.raises(OptionsError, match="polar_lineage_mb must be at least 1"):
+            master.options.update(polar_lineage_mb=0)
 
     asyncio.run(main())
