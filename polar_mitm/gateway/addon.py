@@ -112,20 +112,23 @@ class PolarAddon:
             ) if upstream else None
             for reach in self.engine.reachability() if self.engine else []:
                 reach.on_change = self._engine_changed
-        if updated & {"polar_upstream", "polar_engine", "polar_engine_model", "polar_engine_timeout", "polar_split_reasoning", "polar_engine_max_model_len", "polar_render", "polar_render_model", "polar_tool_parser", "polar_lineage_mb"}:
+        if updated & {"polar_upstream", "polar_engine", "polar_engine_model", "polar_engine_timeout", "polar_split_reasoning", "polar_engine_max_model_len", "polar_render", "polar_render_model", "polar_tool_parser"}:
             render = ctx.options.polar_render
             several = "," in ctx.options.polar_upstream
             if render == "tokens" and several:
                 raise exceptions.OptionsError("polar_render tokens works with one upstream engine; several are routed in chat mode only")
             if render == "auto" and several:
                 log.warning("polar: --render auto: chat mode (the engine renders prompts), since several upstream engines are routed in chat mode only")
-            if ctx.options.polar_lineage_mb < 1:
-                raise exceptions.OptionsError("polar_lineage_mb must be at least 1")
             tokens = self.engine if render == "tokens" or (render == "auto" and not several) else None
             self.tokens = TokenPath(
                 tokens, ctx.options.polar_render_model or None, ctx.options.polar_tool_parser, stored=lambda: self.store, fallback=render == "auto",
                 lineage_bytes=ctx.options.polar_lineage_mb << 20,
             ) if tokens is not None else None
+        if "polar_lineage_mb" in updated:
+            if ctx.options.polar_lineage_mb < 1:
+                raise exceptions.OptionsError("polar_lineage_mb must be at least 1")
+            if self.tokens is not None:  # the lineages held so far stay; the next turn remembered evicts down to it
+                self.tokens.lineages.max_bytes = ctx.options.polar_lineage_mb << 20
         if "polar_model_map" in updated:
             self.model_map = []
             for entry in ctx.options.polar_model_map:

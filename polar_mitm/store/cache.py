@@ -23,10 +23,12 @@ KEEP_MB = 32
 
 
 class SegmentCache:
-    """The reads' gate and the cut; `limit`: DuckDB's memory limit as SET spells it, restored after each cut."""
+    """The reads' gate and the cut; `limit_mb`: the store's DuckDB memory limit, restored after each cut (0: DuckDB's
+    default, which RESET restores exactly; its spelling, e.g. "18.8 GiB", would not)."""
 
-    def __init__(self, limit: str, keep_mb: int = KEEP_MB):
-        self.limit, self.keep_mb = limit, keep_mb
+    def __init__(self, limit_mb: int, keep_mb: int = KEEP_MB):
+        self.restore = f"SET memory_limit = '{limit_mb}MB'" if limit_mb else "RESET memory_limit"
+        self.keep_mb = keep_mb
         self._gate = threading.Condition()
         self._readers = 0
         self._cutting = False
@@ -58,7 +60,7 @@ class SegmentCache:
             except duckdb.OutOfMemoryException:
                 return None
             finally:
-                con.execute(f"SET memory_limit = '{self.limit}'")
+                con.execute(self.restore)
             return int(con.execute("SELECT sum(memory_usage_bytes) FROM duckdb_memory()").fetchall()[0][0]) >> 20
         finally:
             with self._gate:

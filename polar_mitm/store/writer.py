@@ -113,8 +113,7 @@ class Store(Compaction):
         self.trouble = WriteTrouble(self.path, report or (lambda message: log.warning(f"polar-mitm: {message}")))
         self.compaction_trouble = WriteTrouble(self.path, self.trouble.report, compaction=True)
         self.con = self._connect()
-        # the memory limit each cut of DuckDB's cache restores (polar_mitm.store.cache): ours, or DuckDB's default
-        self._cache = SegmentCache(f"{memory_mb}MB" if memory_mb else self.con.execute("SELECT current_setting('memory_limit')").fetchall()[0][0])
+        self._cache = SegmentCache(memory_mb)  # cut after each checkpoint (polar_mitm.store.cache)
         ensure_schema(self.con)
         migrate_v1(self.con)
         for number in migrate_parquet_segments(self.con, self.segments_dir):

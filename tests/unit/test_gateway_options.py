@@ -160,8 +160,9 @@ def test_lineage_mb_bounds_the_tokens_modes_lineages_and_defaults_to_the_bridges
         addon = server.make_master(config).addons.get("polaraddon")
         assert addon.tokens is not None and addon.tokens.lineages.max_bytes == 48 << 20
         master = server.make_master(config)
-        master.options.update(polar_lineage_mb=64)  # changed while running: a new token path with the new bound
-        assert master.addons.get("polaraddon").tokens.lineages.max_bytes == 64 << 20
+        tokens = master.addons.get("polaraddon").tokens
+        master.options.update(polar_lineage_mb=64)  # changed while running: the same token path (its renderer, its lineages), a new bound
+        assert master.addons.get("polaraddon").tokens is tokens and tokens.lineages.max_bytes == 64 << 20
         with pytest.raises(OptionsError, match="polar_lineage_mb must be at least 1"):
             master.options.update(polar_lineage_mb=0)
 

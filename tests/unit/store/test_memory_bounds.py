@@ -136,12 +136,18 @@ def test_the_blocks_each_checkpoint_wrote_leave_duckdbs_cache(tmp_path: Path, mo
 def test_a_cut_waits_for_no_read_and_a_read_never_runs_under_the_lowered_limit(tmp_path: Path) -> None:
     con = duckdb.connect(str(tmp_path / "r.duckdb"))
     con.execute("SET memory_limit = '300MB'")
-    cache = SegmentCache("300MB", keep_mb=1)
+    cache = SegmentCache(300, keep_mb=1)
     try:
         with cache.reading():
             assert cache.cut(con) is None  # skipped, not waited for: the next checkpoint's cut takes its place
         assert cache.cut(con) is not None
         assert con.execute("SELECT current_setting('memory_limit')").fetchall()[0][0] in ("286.1 MiB", "300.0 MB")
+        default = SegmentCache(0, keep_mb=1)  # DuckDB's own limit (--store-memory-mb 0), restored as it was
+        con.execute("RESET memory_limit")
+        own = con.execute("SELECT current_setting('memory_limit')").fetchall()[0][0]
+        assert default.cut(con) is not None
+        assert con.execute("SELECT current_setting('memory_limit')").fetchall()[0][0] == own
+        con.execute("SET memory_limit = '300MB'")
         seen: list[str] = []
 
         def read() -> None:
