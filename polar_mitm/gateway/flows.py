@@ -60,7 +60,7 @@ def request_row(flow: http.HTTPFlow, api: str, path: str, session_id: str, seq: 
         "retry_count": _int_or_none(header_map.get("x-stainless-retry-count")),
         "replay": bool(flow.is_replay),
         "request_headers": redact.redact_headers(headers),
-        "request_body": redact.redact_text(raw_body.decode("utf-8", "replace"), secrets_seen),
+        "request_body": redact.scrub_body(raw_body, secrets_seen, min_length=1).decode("utf-8", "replace"),
         "engine_kind": engine_kind,
         "started_at": now(),
     }

@@ -75,6 +75,31 @@ def test_key_named_fields_are_found_in_any_spelling(name: str) -> None:
     # a field's name in a prompt's text, not as a key of the body, is not a field
     assert redact.secret_values([], [], json.dumps({"text": f'{name}: "not-a-field-123456789"'}).encode()) == []
 
+# how a field's name was first told apart (lowercase, squash "-" and "_", look for each quoted name): the one-pass
+# pattern must say the same of every body
+def _reference_names_a_field(body: bytes) -> bool:
+    squashed = body.decode("utf-8", "replace").lower().replace("-", "").replace("_", "")
+    return any(f'"{name}"' in squashed for name in redact.SECRET_BODY_FIELDS)
+
+
+@hypothesis.settings(max_examples=500, deadline=None)
+@hypothesis.given(st.lists(st.sampled_from(['"', "api", "Api", "KEY", "key", "-", "_", "x", "X-", "goog", "secret", "Client", "auth", "Token",
+                                            "authorization", "ACCESS", ":", " ", "é", "漢", "{", "}"]), max_size=14))
+def test_a_field_named_like_a_key_is_told_apart_as_the_reference_does(parts: list[str]) -> None:
+    body = "".join(parts).encode()
+    assert bool(redact._FIELD_NAME.search(body)) is _reference_names_a_field(body)
+
+
+def test_keys_in_a_body_past_latin_1_are_scrubbed_from_its_bytes() -> None:
+    body = json.dumps({"Api-Key": "field-key-123456789", "messages": [{"role": "user", "content": f"漢字 é {OPENAI_KEY} short"}]}, ensure_ascii=False).encode()
+    found = redact.secret_values([("proxy-authorization", "Basic c2hvcnQ=")], [], body)
+    assert set(found) == {"Basic c2hvcnQ=", "c2hvcnQ=", "field-key-123456789", OPENAI_KEY}
+    engine = json.loads(redact.scrub_body(body, [*found, "short"]))
+    assert engine["Api-Key"] == "[REDACTED]" and engine["messages"][0]["content"] == "漢字 é [REDACTED] short"
+    stored = json.loads(redact.scrub_body(body, [*found, "short"], min_length=1))
+    assert stored["messages"][0]["content"] == "漢字 é [REDACTED] [REDACTED]"
+
+
 def test_scrub_body_keeps_short_placeholders_and_json() -> None:
     body = json.dumps({"messages": [{"role": "user", "content": f"write a test with key {OPENAI_KEY}"}]}).encode()
     scrubbed = redact.scrub_body(body, ["test", OPENAI_KEY])
