@@ -174,16 +174,16 @@ def test_every_reply_its_client_did_not_read_is_client_disconnected_at_64_sessio
         abandoned = [call for call in calls if not call.complete]
         read = [call for call in calls if call.complete]
         # with how long after its row was committed (the reply written right after) the client closed
-        kept = [
-            (call.kind, call.detail, rows[call.call_id]["status"], call.closed_at - committed_at(rows[call.call_id]))
+        kept = {
+            call.call_id: (call.kind, call.detail, rows[call.call_id]["status"], call.closed_at - committed_at(rows[call.call_id]))
             for call in abandoned if call.call_id in rows and rows[call.call_id]["status"] != "client_disconnected"
-        ]
+        }
         # what no kernel can say (gateway/delivery.py): a streamed client that closes a few ms after the reply's last
         # events reached it, unread, resets just as one that read them and left the final chunk unread does; seen
         # once in a full suite's run (closed 20 ms after the commit), never when this test runs alone
-        undecidable = [entry for entry in kept if entry[0] == "stream_hangup" and 0 <= entry[3] <= 2 * SETTLE_S]
+        undecidable = {call_id: entry for call_id, entry in kept.items() if entry[0] == "stream_hangup" and 0 <= entry[3] <= 2 * SETTLE_S}
         assert len(undecidable) <= 2, undecidable
-        wrongly_kept = [(*entry[:3], f"closed {entry[3]:+.3f}s after the commit") for entry in kept if entry not in undecidable]
+        wrongly_kept = [(*entry[:3], f"closed {entry[3]:+.3f}s after the commit") for call_id, entry in kept.items() if call_id not in undecidable]
         wrongly_dropped = [(call.kind, rows[call.call_id]["status"], rows[call.call_id]["error"]) for call in read if call.call_id in rows and rows[call.call_id]["status"] != "ok"]
         summary = f"{len(calls)} calls in {took:.1f}s: {len(abandoned)} abandoned, {len(read)} read whole"
         marked = [call for call in abandoned if "not delivered" in (rows.get(call.call_id, {}).get("error") or "")]
@@ -193,7 +193,8 @@ def test_every_reply_its_client_did_not_read_is_client_disconnected_at_64_sessio
         assert not wrongly_dropped, f"{summary}; {len(wrongly_dropped)} calls whose client read the reply not ok: {wrongly_dropped}"
         # every kind of client was there: the load really mixed them
         assert {call.kind for call in abandoned} == {"json_timeout", "stream_hangup"} and {call.kind for call in read} >= {"json", "stream"}
-        assert all(rows[call.call_id]["error"] for call in abandoned)  # each says why
+        # each says why (those kept ok in the window above have nothing to say: they were a success to the gateway)
+        assert all(rows[call.call_id]["error"] for call in abandoned if call.call_id not in undecidable)
         # the assembler trains on exactly the replies that were read
         trained = {exchange_id for sequence in assemble(gw.db, "per_request").sequences for exchange_id in sequence.exchange_ids}
         assert trained == {rows[call.call_id]["exchange_id"] for call in read}
