@@ -1,9 +1,15 @@
 """Journal records: how an exchange row is written into a journal table, and read back with the contract's types.
 
-A journal row is six columns: the ones live SQL filters on most, then the other fields as two JSON objects, a
-small head (scalars, headers) and a body (texts, token ids, logprobs), so a query on the head never parses a
-body. DuckDB charges ~20 us per column for every INSERT however small, which the reply waits for; the records
-are parsed back when read (json_transform) and once more when the journal becomes a segment.
+A journal row is eleven columns: the four live SQL filters on most, the other small fields and the token lists as
+two JSON objects, a head (scalars, headers) and a body (token ids, logprobs), so a query on the head never parses a
+body, and the five texts (request and reply bodies, the engine's request and reply) as columns of their own. The
+records are parsed back when read (json_transform) and once more when the journal becomes a segment; DuckDB charges
+~20 us per column for every INSERT however small, which the reply waits for, hence records and not a column each.
+
+The texts were fields of the body record until 2026-12 (a store's schema 3 either way): each was escaped into it
+(orjson, on the writer thread, holding the GIL: 0.2 ms of each exchange's 2.9 ms of GIL time at 64 sessions) and
+parsed out again at every read and compaction. As columns they go in as they are. A journal of that older layout is
+given the columns when a writer opens its store (add_text_columns), before it is compacted.
 """
 
 from __future__ import annotations
@@ -27,8 +33,12 @@ from polar_mitm.store.schema import (
 )
 
 JOURNAL_PREFIX = "exchange_journal_"
-JOURNAL_COLUMNS = {"exchange_id": "VARCHAR", "session_id": "VARCHAR", "seq": "INTEGER", "status": "VARCHAR", "head": "BLOB", "body": "BLOB"}
-BODY_FIELDS = ["request_body", "engine_request", "engine_response", "response_body", "response_stream", "prompt_token_ids", "completion_token_ids", "completion_logprobs"]
+TEXT_FIELDS = ["request_body", "engine_request", "engine_response", "response_body", "response_stream"]  # columns of their own
+JOURNAL_COLUMNS = {
+    "exchange_id": "VARCHAR", "session_id": "VARCHAR", "seq": "INTEGER", "status": "VARCHAR", "head": "BLOB", "body": "BLOB",
+    **{name: "BLOB" for name in TEXT_FIELDS},  # UTF-8 (decode() reads it): a VARCHAR's compression analysis cost each checkpoint more
+}
+BODY_FIELDS = ["prompt_token_ids", "completion_token_ids", "completion_logprobs"]
 HEAD_FIELDS = [name for name in EXCHANGE_COLUMNS if name not in JOURNAL_COLUMNS and name not in BODY_FIELDS]
 
 
@@ -57,10 +67,10 @@ def _from_journal(name: str) -> str:
     """The contract-typed expression for one column, read from a journal row."""
     kind = base_type(EXCHANGE_COLUMNS[name])
     if name in JOURNAL_COLUMNS:
-        return f'"{name}"'
+        return f'CAST("{name}" AS JSON) AS "{name}"' if kind == "JSON" else f'"{name}"'
     record = "b" if name in BODY_FIELDS else "h"
     if name == "prompt_token_ids":
-        from_response = f"json_transform(substr(b.engine_response, b.{PROMPT_IDS_AT}[1], b.{PROMPT_IDS_AT}[2]), '[\"INTEGER\"]')"
+        from_response = f"json_transform(substr(engine_response, b.{PROMPT_IDS_AT}[1], b.{PROMPT_IDS_AT}[2]), '[\"INTEGER\"]')"
         return f'coalesce(b."{name}", {from_response}) AS "{name}"'
     if kind in ("JSON", "DOUBLE[]"):
         return f'CAST({record}."{name}" AS {kind}) AS "{name}"'
@@ -73,7 +83,7 @@ JOURNAL_SELECT = ", ".join(_from_journal(name) for name in EXCHANGE_COLUMNS)
 def journal_source(number: int, where: str = "") -> str:
     """A journal's rows with their records parsed (h, b); `where`: only the rows it selects (their records only
     are parsed)."""
-    columns = ", ".join(f'"{name}"' for name in JOURNAL_COLUMNS if name not in ("head", "body"))
+    columns = ", ".join(f'decode("{name}") AS "{name}"' if name in TEXT_FIELDS else f'"{name}"' for name in JOURNAL_COLUMNS if name not in ("head", "body"))
     return (
         f"(SELECT {columns}, json_transform(decode(head), {quote(HEAD_STRUCTURE)}) AS h, "
         f"json_transform(decode(body), {quote(BODY_STRUCTURE)}) AS b FROM {journal_table(number)}{f' WHERE {where}' if where else ''})"
@@ -141,8 +151,9 @@ def _sanitized(value: Any) -> Any:
     return value
 
 
-def journal_records(row: Mapping[str, Any]) -> tuple[bytes, bytes]:
-    """The head and body JSON objects of a row's fields beyond the journal's own columns (absent ones left out).
+def journal_records(row: Mapping[str, Any]) -> tuple[bytes, bytes, list[str | None]]:
+    """The head and body JSON objects of a row's fields beyond the journal's own columns (absent ones left out), and
+    its texts (TEXT_FIELDS, in order; JSON ones as their JSON text).
 
     Prompt ids are most of a row, and an engine reply that carries them has them already: then the body keeps
     only where they are in it (they were parsed from that very text), and readers extract them from there.
@@ -160,37 +171,73 @@ def journal_records(row: Mapping[str, Any]) -> tuple[bytes, bytes]:
         value = row.get(name)
         if value is None or (prompt_ids_at and name == "prompt_token_ids"):
             continue
-        if name in JSON_COLUMNS:
-            value = _json_text(value)
-        elif name in DOUBLE_LISTS:
-            value = _list_text(value)
-        body[name] = value
-    return _dumps(head), _dumps(body)
+        body[name] = _list_text(value) if name in DOUBLE_LISTS else value
+    texts = [None if (value := row.get(name)) is None else _json_text(value) if name in JSON_COLUMNS else _text(value) for name in TEXT_FIELDS]
+    return _dumps(head), _dumps(body), texts
 
 
 def insert_journal_rows(con: duckdb.DuckDBPyConnection, rows: Sequence[Mapping[str, Any]], table: str) -> int:
-    """Insert exchange rows into a journal table: one statement, however many rows. Returns their records' bytes."""
+    """Insert exchange rows into a journal table: one statement, however many rows. Returns their records' and
+    texts' bytes (their characters, for the texts: what a journal's size is counted in)."""
     if not rows:
         return 0
-    if len(rows) == 1:
-        row = rows[0]
-        head, body = journal_records(row)
-        con.execute(f"INSERT INTO {table} VALUES (?, ?, ?, ?, ?, ?)", [row["exchange_id"], row["session_id"], row["seq"], row["status"], head, body])
-        return len(head) + len(body)
-    # DuckDB reads the Arrow table by its variable name (a replacement scan: cheaper than register())
     records = [journal_records(row) for row in rows]
-    polar_pending_exchanges = pa.table(  # noqa: F841 - read by DuckDB
-        {
-            "exchange_id": [row["exchange_id"] for row in rows],
-            "session_id": [row["session_id"] for row in rows],
-            "seq": [row["seq"] for row in rows],
-            "status": [row["status"] for row in rows],
-            # orjson's output: UTF-8 by construction, so no validation on the way in
-            "head": pa.array([head for head, _ in records], pa.binary()),
-            "body": pa.array([body for _, body in records], pa.binary()),
-        },
-        schema=JOURNAL_ARROW_SCHEMA,
-    )
-    con.execute(f"INSERT INTO {table} SELECT * FROM polar_pending_exchanges")
-    return sum(len(head) + len(body) for head, body in records)
+    if len(rows) == 1:
+        row, (head, body, texts) = rows[0], records[0]
+        con.execute(f"INSERT INTO {table} VALUES ({', '.join('?' * (6 + len(texts)))})", [row["exchange_id"], row["session_id"], row["seq"], row["status"], head, body, *map(_utf8, texts)])
+    else:
+        # DuckDB reads the Arrow table by its variable name (a replacement scan: cheaper than register())
+        polar_pending_exchanges = _arrow_rows(rows, records)  # noqa: F841 - read by DuckDB
+        con.execute(f"INSERT INTO {table} SELECT * FROM polar_pending_exchanges")
+    return sum(len(head) + len(body) + sum(len(text) for text in texts if text) for head, body, texts in records)
 
+
+def _arrow_rows(rows: Sequence[Mapping[str, Any]], records: list[tuple[bytes, bytes, list[str | None]]]) -> pa.Table:
+    columns: dict[str, Any] = {
+        "exchange_id": [row["exchange_id"] for row in rows],
+        "session_id": [row["session_id"] for row in rows],
+        "seq": [row["seq"] for row in rows],
+        "status": [row["status"] for row in rows],
+        # orjson's output: UTF-8 by construction, so no validation on the way in
+        "head": pa.array([head for head, _, _ in records], pa.binary()),
+        "body": pa.array([body for _, body, _ in records], pa.binary()),
+    }
+    for index, name in enumerate(TEXT_FIELDS):
+        texts = [record[2][index] for record in records]
+        try:
+            columns[name] = pa.array(texts, pa.binary())
+        except UnicodeEncodeError:  # a lone surrogate: stored with "?" in its place, as a single row's would be
+            columns[name] = pa.array([_utf8(text) for text in texts], pa.binary())
+    return pa.table(columns, schema=JOURNAL_ARROW_SCHEMA)
+
+
+def _text(value: Any) -> str:
+    """A text column's value as text: bytes decoded (invalid UTF-8 replaced), anything else as str() spells it."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).decode("utf-8", "replace")
+    return str(value)
+
+
+def _utf8(text: str | None) -> bytes | None:
+    if text is None:
+        return None
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate (a harness that cut a string inside an emoji): stored as "?"
+        return text.encode("utf-8", "replace")
+
+
+def add_text_columns(con: duckdb.DuckDBPyConnection, table: str) -> bool:
+    """Give a journal of the layout before TEXT_FIELDS were columns (each a field of its body record) those columns,
+    filled from its records. True if it was of that layout. Its records keep the texts too (unread from now on),
+    until the journal becomes a segment."""
+    present = {name for (name,) in con.execute("SELECT column_name FROM duckdb_columns() WHERE table_name = ?", [table]).fetchall()}
+    missing = [name for name in TEXT_FIELDS if name not in present]
+    if not missing:
+        return False
+    for name in missing:
+        con.execute(f"ALTER TABLE {table} ADD COLUMN {name} BLOB")
+    con.execute(f"UPDATE {table} SET {', '.join(f'{name} = encode(json_extract_string(decode(body), {quote('$.' + name)}))' for name in missing)}")
+    return True

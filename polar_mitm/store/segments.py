@@ -3,10 +3,10 @@
 Layout. `exchanges` is a view over two kinds of storage, with the contract's column types either way:
 
 - journal tables (`exchange_journal_NNNNNN`, see records): where each exchange is committed before its reply,
-  as six columns: the four live SQL filters on most, then the other fields in two JSON records. No list columns
-  there: DuckDB writes a list column's whole uncheckpointed data into the WAL again on every commit (measured
-  on 1.3 to 2.0: the Nth single-row commit of a 14k-id array logs N x 56 KB), which made each commit slower
-  than the last until a checkpoint; a JSON record is logged once.
+  as eleven columns: the four live SQL filters on most, the other fields in two JSON records, and the five texts
+  (records.TEXT_FIELDS) as they are. No list columns there: DuckDB writes a list column's whole uncheckpointed
+  data into the WAL again on every commit (measured on 1.3 to 2.0: the Nth single-row commit of a 14k-id array
+  logs N x 56 KB), which made each commit slower than the last until a checkpoint; a JSON record is logged once.
 - segments (`exchange_segment_NNNNNN`, listed in `exchange_segments`): immutable tables with the contract's
   INTEGER[] / DOUBLE[] columns. When a journal reaches `segment_rows` rows (or its records a size in MB) the writer
   starts a new one, and a compactor thread copies the full journal into a new segment table in one transaction of

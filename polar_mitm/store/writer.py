@@ -30,6 +30,7 @@ from polar_mitm.store.compactor import Compaction
 from polar_mitm.store.records import (
     JOURNAL_COLUMNS,
     JOURNAL_PREFIX,
+    add_text_columns,
     insert_journal_rows,
     journal_table,
 )
@@ -126,6 +127,9 @@ class Store(Compaction):
         for name in remove_unlisted_segments(self.con, self.segments_dir):
             log.info(f"polar-mitm: removed {name}, which a crash left unlisted (its rows were in a journal)")
         leftovers = list(self._journals)
+        for number in leftovers:
+            if add_text_columns(self.con, journal_table(number)):
+                log.info(f"polar-mitm: {journal_table(number)} of {self.path} given its texts as columns (the journal layout before 2026-12)")
         self._rotate(self.con)
         for number in leftovers:
             self._compact(self.con, number)

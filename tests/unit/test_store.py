@@ -51,6 +51,33 @@ async def commit_all(target: Store, rows: list[ExchangeRow], concurrency: int = 
         await asyncio.gather(*(target.commit_exchange(row) for row in rows[start : start + concurrency]))
 
 
+def test_a_journal_of_the_layout_before_text_columns_is_read_and_compacted_the_same(tmp_path: Path) -> None:
+    """A store a crash left with a journal of the earlier layout (texts as fields of the body record, six columns):
+    the next writer gives it the text columns and compacts it; every row reads back as committed, prompt ids from
+    their slice of the engine reply included."""
+    from polar_mitm.store import records
+
+    db = tmp_path / "s.duckdb"
+    Store(db).close()
+    rows = [exchange_row("old", seq, prompt_len=300) for seq in range(1, 6)]
+    rows[1]["response_stream"] = 'data: {"x": "é \\"q\\""}\n\n'
+    rows[2]["engine_response"] = None  # a failed call: no reply, and no prompt ids
+    rows[2]["prompt_token_ids"] = None
+    con = duckdb.connect(str(db))
+    table = store.journal_table(900)  # after the empty journal a clean close leaves
+    con.execute(f"CREATE TABLE {table} (exchange_id VARCHAR, session_id VARCHAR, seq INTEGER, status VARCHAR, head BLOB, body BLOB)")
+    for row in rows:
+        head, body, texts = records.journal_records(row)
+        old_body = {**orjson.loads(body), **{name: text for name, text in zip(records.TEXT_FIELDS, texts, strict=True) if text is not None}}
+        con.execute(f"INSERT INTO {table} VALUES (?, ?, ?, ?, ?, ?)", [row["exchange_id"], "old", row["seq"], "ok", head, orjson.dumps(old_body)])
+    con.execute("UPDATE meta SET value = 'false' WHERE key = 'closed_cleanly'")
+    con.close()
+    Store(db).close()
+    assert fetched(store.query_dicts(db, "SELECT * FROM exchanges")) == {row["exchange_id"]: comparable(row) for row in rows}
+    assert store.query(db, "SELECT n_exchanges FROM sessions WHERE session_id = 'old'")[1] == [[5]]
+    assert not [t for (t,) in store.query(db, "SELECT table_name FROM duckdb_tables()")[1] if t == table]
+
+
 def test_rows_read_back_the_same_from_journal_and_segments(tmp_path: Path) -> None:
     db = tmp_path / "s.duckdb"
     rows = [exchange_row(f"s{i % 3}", i // 3 + 1) for i in range(45)]
@@ -136,6 +163,37 @@ def test_values_json_cannot_hold_survive(tmp_path: Path) -> None:
         assert json.loads(response) == {"choices": [], "weird": None}  # stored, re-encoded, rather than refused
         assert request == '{"k":   1}' and json.loads(lineage) == "not json at all"
         assert ignored == ['comma,inside', 'quote"inside'] and prompt == [1, 2, 3]
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_texts_with_odd_characters_are_kept_alone_and_in_a_batch(tmp_path: Path, batched: bool) -> None:
+    """The five texts are journal columns of their own (UTF-8): a lone surrogate (a harness that cut a string inside
+    an emoji) is kept with "?" in its place, a NUL and characters past Latin-1 as they are, bytes as their text; one
+    row goes in as VALUES, a group commit as an Arrow table."""
+    db = tmp_path / "odd.duckdb"
+    rows = [exchange_row("odd", seq) for seq in range(1, 4 if batched else 2)]
+    for row in rows:
+        row.update(request_body='{"text": "cut \ud83d here"}', response_stream="data: \x00 漢字 \ud83d\n\n")
+    rows[0]["request_body"] = b'{"raw": "\xff bytes"}'
+    target = Store(db)
+    try:
+        async def commit() -> None:
+            await asyncio.gather(*(target.commit_exchange(row) for row in rows))
+
+        asyncio.run(commit())
+        live = sorted(target.query("SELECT seq, request_body, response_stream FROM exchanges")[1])
+    finally:
+        target.close()
+    closed = sorted(tuple(r) for r in store.query(db, "SELECT seq, request_body, response_stream FROM exchanges")[1])
+    expected = [(1, '{"raw": "\ufffd bytes"}', "data: \x00 漢字 ?\n\n")] + [(row["seq"], '{"text": "cut ? here"}', "data: \x00 漢字 ?\n\n") for row in rows[1:]]
+    assert [tuple(r) for r in live] == closed == expected
+    if batched:  # the same rows in one insert, as a group commit makes it (the Store's writer may have split them)
+        from polar_mitm.store import records
+
+        con = duckdb.connect()
+        con.execute(f"CREATE TABLE {records.journal_table(1)} ({', '.join(f'{n} {t}' for n, t in records.JOURNAL_COLUMNS.items())})")
+        records.insert_journal_rows(con, rows, records.journal_table(1))
+        assert sorted(con.execute(f"SELECT seq, request_body, response_stream FROM {records.journal_source(1)}").fetchall()) == expected
 
 
 def test_prompt_ids_read_from_the_engine_reply(tmp_path: Path) -> None:
