@@ -180,14 +180,15 @@ def test_every_reply_its_client_did_not_read_is_client_disconnected_at_64_sessio
         }
         # what no kernel can say (gateway/delivery.py): a streamed client that closes a few ms after the reply's last
         # events reached it, unread, resets just as one that read them and left the final chunk unread does; seen
-        # once in a full suite's run (closed 20 ms after the commit), never when this test runs alone
+        # once in a full suite's run (closed 20 ms after the commit) on 2026-12-04, then on 2026-12-05 in both full
+        # suites and in 1 of 5 runs of this test alone, one call each time
         undecidable = {call_id: entry for call_id, entry in kept.items() if entry[0] == "stream_hangup" and 0 <= entry[3] <= 2 * SETTLE_S}
         assert len(undecidable) <= 2, undecidable
         wrongly_kept = [(*entry[:3], f"closed {entry[3]:+.3f}s after the commit") for call_id, entry in kept.items() if call_id not in undecidable]
         wrongly_dropped = [(call.kind, rows[call.call_id]["status"], rows[call.call_id]["error"]) for call in read if call.call_id in rows and rows[call.call_id]["status"] != "ok"]
         summary = f"{len(calls)} calls in {took:.1f}s: {len(abandoned)} abandoned, {len(read)} read whole"
         marked = [call for call in abandoned if "not delivered" in (rows.get(call.call_id, {}).get("error") or "")]
-        print(f"\n{summary} ({len(marked)} marked after their commit); wrongly kept {len(wrongly_kept)}, wrongly dropped {len(wrongly_dropped)}")
+        print(f"\n{summary} ({len(marked)} marked after their commit); wrongly kept {len(wrongly_kept)}, wrongly dropped {len(wrongly_dropped)}, kept in the undecidable window {len(undecidable)}")
         assert not missing, f"{summary}; calls without a row: {missing}"
         assert not wrongly_kept, f"{summary}; {len(wrongly_kept)} abandoned calls not client_disconnected: {wrongly_kept}"
         assert not wrongly_dropped, f"{summary}; {len(wrongly_dropped)} calls whose client read the reply not ok: {wrongly_dropped}"
@@ -197,7 +198,8 @@ def test_every_reply_its_client_did_not_read_is_client_disconnected_at_64_sessio
         assert all(rows[call.call_id]["error"] for call in abandoned if call.call_id not in undecidable)
         # the assembler trains on exactly the replies that were read
         trained = {exchange_id for sequence in assemble(gw.db, "per_request").sequences for exchange_id in sequence.exchange_ids}
-        assert trained == {rows[call.call_id]["exchange_id"] for call in read}
+        # (and those kept ok in that window, which the gateway cannot tell from a read reply)
+        assert trained == {rows[call.call_id]["exchange_id"] for call in read} | {rows[call_id]["exchange_id"] for call_id in undecidable}
     finally:
         gw.stop()
         engine.close()
