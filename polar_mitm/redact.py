@@ -36,11 +36,10 @@ SECRET_BODY_FIELDS = frozenset({"apikey", "xapikey", "xgoogapikey", "authorizati
 # so that words like "sk-learn-compatible-estimators" are not taken for one
 # (one pattern per prefix, each starting with its literal, so re scans for it at C speed; the character before a
 # match is checked apart: a leading lookbehind made re try every position, ~2 ms per 50 KB request)
-_KEY_SHAPES = (re.compile(r"sk-[A-Za-z0-9_-]{20,}"), re.compile(r"AIza[0-9A-Za-z_-]{35}(?![A-Za-z0-9_-])"))
-_KEY_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
-# the same, for request bodies scanned as the bytes they came as (no decoding; a key's characters are ASCII)
-_KEY_SHAPES_BYTES = tuple(re.compile(shape.pattern.encode()) for shape in _KEY_SHAPES)
-_KEY_BYTES = frozenset(map(ord, _KEY_CHARS))  # a bytes object's items are ints
+# Scanned in bytes, as a request body comes (no decoding; a key's characters are ASCII, so its bytes are the same in
+# any UTF-8 text); a program's output is encoded first.
+_KEY_SHAPES = (re.compile(rb"sk-[A-Za-z0-9_-]{20,}"), re.compile(rb"AIza[0-9A-Za-z_-]{35}(?![A-Za-z0-9_-])"))
+_KEY_BYTES = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")  # iterating bytes gives ints
 # a quoted JSON name that is one of those, in any case, with "-" or "_" anywhere in it: a body without one has no such
 # field (JSON encoders never escape letters, "-" or "_" in a name), so it is not parsed a second time. One pass over
 # the bytes (0.06 ms per 50 KB request) where lowercasing, squashing and eight `in` tests took 0.15 on bytes, and
@@ -73,27 +72,17 @@ def secret_values(headers: Iterable[tuple[str, str]], query: Iterable[tuple[str,
             found.append(value)
     if body:
         found.extend(_body_field_secrets(body))
-        found.extend(match.decode() for match in _key_shaped_bytes(body))
+        found.extend(_key_shaped(body))
     return [s for s in found if len(s) >= 4]
 
 
-def _key_shaped(text: str) -> list[str]:
+def _key_shaped(data: bytes) -> list[str]:
     """Strings shaped like a provider key, not part of a longer word."""
     return [
-        match.group()
+        key
         for shape in _KEY_SHAPES
-        for match in shape.finditer(text)
-        if (match.start() == 0 or text[match.start() - 1] not in _KEY_CHARS) and _looks_like_key(match.group())
-    ]
-
-
-def _key_shaped_bytes(body: bytes) -> list[bytes]:
-    """_key_shaped over a body's bytes (a key's characters are ASCII, so its bytes are the same in any UTF-8 text)."""
-    return [
-        match.group()
-        for shape in _KEY_SHAPES_BYTES
-        for match in shape.finditer(body)
-        if (match.start() == 0 or body[match.start() - 1] not in _KEY_BYTES) and _looks_like_key(match.group().decode())
+        for match in shape.finditer(data)
+        if (match.start() == 0 or data[match.start() - 1] not in _KEY_BYTES) and _looks_like_key(key := match.group().decode())
     ]
 
 
@@ -122,9 +111,10 @@ def _body_field_secrets(body: bytes) -> list[str]:
 
 
 def scrub_body(body: bytes, secrets: Iterable[str], min_length: int = ENGINE_SCRUB_MIN) -> bytes:
-    """The request body with every secret of at least `min_length` characters replaced (ENGINE_SCRUB_MIN: what the
-    engine and the flow get; 1: every secret, what the row keeps). Keys are JSON-safe characters, so a JSON body
-    stays JSON. Replaced in the body's bytes: a secret's UTF-8 bytes match only where the decoded text holds it."""
+    """The request body (or any UTF-8 bytes) with every secret of at least `min_length` characters replaced
+    (ENGINE_SCRUB_MIN: what the engine and the flow get; 1: every secret, what the row keeps). Keys are JSON-safe
+    characters, so a JSON body stays JSON. Replaced in the bytes: a secret's UTF-8 bytes match only where the decoded
+    text holds it."""
     strong = sorted({s for s in secrets if len(s) >= min_length}, key=len, reverse=True)
     if not strong or not body:
         return body
@@ -160,10 +150,7 @@ def env_secrets(env: Mapping[str, str]) -> list[str]:
 def scrub_output(text: str, secrets: Iterable[str] = ()) -> str:
     """A program's output (a harness's, an evaluator's) as it may be kept and sent: `secrets` and anything shaped like
     a provider key redacted (a harness may print its environment or echo a key it was given)."""
-    return redact_text(text, [*secrets, *_key_shaped(text)]) if text else text
-
-
-def redact_text(text: str, secrets: Iterable[str]) -> str:
-    for secret in sorted(set(secrets), key=len, reverse=True):
-        text = text.replace(secret, REDACTED)
-    return text
+    if not text:
+        return text
+    data = text.encode("utf-8", "surrogatepass")  # any str, lone surrogates included, and back unchanged
+    return scrub_body(data, [*secrets, *_key_shaped(data)], min_length=1).decode("utf-8", "surrogatepass")

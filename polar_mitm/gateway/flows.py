@@ -60,7 +60,8 @@ def request_row(flow: http.HTTPFlow, api: str, path: str, session_id: str, seq: 
         "retry_count": _int_or_none(header_map.get("x-stainless-retry-count")),
         "replay": bool(flow.is_replay),
         "request_headers": redact.redact_headers(headers),
-        "request_body": redact.scrub_body(raw_body, secrets_seen, min_length=1).decode("utf-8", "replace"),
+        # the secrets too short to scrub from what the engine gets (the others are gone from raw_body already)
+        "request_body": redact.scrub_body(raw_body, [s for s in secrets_seen if len(s) < redact.ENGINE_SCRUB_MIN], min_length=1).decode("utf-8", "replace"),
         "engine_kind": engine_kind,
         "started_at": now(),
     }
