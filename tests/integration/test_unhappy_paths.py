@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from datetime import UTC, datetime
@@ -109,15 +110,23 @@ def test_a_call_the_client_abandons_is_aborted_on_the_engine_and_recorded_client
         assert time.monotonic() - started < 30, "the call never reached the engine"
         time.sleep(0.05)
     in_flight_at = time.monotonic()
-    while time.monotonic() - in_flight_at < 1:
+    # The kill runs on a timer of its own, not after the sampling loop: CI once spent 16 s in one iteration of that
+    # loop (a psutil read of the socket table or a stall of this process) while the whole generation ran out.
+    killed: list[datetime] = []
+    killer = threading.Timer(1.0, lambda: (client.kill(), killed.append(datetime.now(UTC))))
+    killer.start()
+    samples: list[float] = []
+    while client.poll() is None:
+        sampled_at = time.monotonic()
         ports |= engine_connections(gw.process.pid, engine_url)
+        samples.append(time.monotonic() - sampled_at)
         time.sleep(0.1)
-    client.kill()
-    killed_at = datetime.now(UTC)
-    if client.wait() != -signal.SIGKILL:  # it should still have been waiting for its reply: say what it got instead
+    killer.join()
+    if client.returncode != -signal.SIGKILL:  # it should still have been waiting for its reply: say what it got instead
         reply, errors = client.communicate()
-        raise AssertionError(f"the client finished before it was killed (exit {client.returncode}, {time.monotonic() - in_flight_at:.1f}s after the call was in flight): {errors!r} {reply[-2000:]!r}; rows {[(r['status'], r['error']) for r in gw.exchanges(session_id)]}; gateway log tail {gw.log.read_text()[-3000:]!r}")
-    assert ports, "the gateway never called the engine"
+        raise AssertionError(f"the client finished before it was killed (exit {client.returncode}, {time.monotonic() - in_flight_at:.1f}s after the call was in flight; socket samples took {[round(s, 2) for s in samples]} s): {errors!r} {reply[-2000:]!r}; rows {[(r['status'], r['error']) for r in gw.exchanges(session_id)]}; gateway log tail {gw.log.read_text()[-3000:]!r}")
+    [killed_at] = killed
+    assert ports, f"the gateway never called the engine (socket samples took {[round(s, 2) for s in samples]} s)"
     [row] = wait_for_rows(gw, session_id, timeout=15)
     assert row["status"] == "client_disconnected", row["error"]
     # recorded, and the engine call cancelled, as soon as the client was gone, not after the generation ran out
