@@ -26,6 +26,8 @@ import pyarrow as pa
 from polar_mitm.store.schema import (
     ARROW_TYPES,
     DOUBLE_LISTS,
+    ENGINE_REQUEST_IDS_AT,
+    ENGINE_RESPONSE_IDS_AT,
     EXCHANGE_COLUMNS,
     JSON_COLUMNS,
     base_type,
@@ -54,7 +56,10 @@ def _record_type(kind: str) -> Any:
 # where in engine_response the prompt ids are, when they are left out of the body (see journal_records)
 PROMPT_IDS_AT = "prompt_token_ids_at"
 HEAD_STRUCTURE = json.dumps({name: _record_type(EXCHANGE_COLUMNS[name]) for name in HEAD_FIELDS}, separators=(",", ":"))
-BODY_STRUCTURE = json.dumps({**{name: _record_type(EXCHANGE_COLUMNS[name]) for name in BODY_FIELDS}, PROMPT_IDS_AT: ["BIGINT"]}, separators=(",", ":"))
+BODY_STRUCTURE = json.dumps(
+    {**{name: _record_type(EXCHANGE_COLUMNS[name]) for name in BODY_FIELDS}, PROMPT_IDS_AT: ["BIGINT"], ENGINE_REQUEST_IDS_AT: "BIGINT", ENGINE_RESPONSE_IDS_AT: "BIGINT"},
+    separators=(",", ":"),
+)
 # a group commit's rows reach DuckDB as one Arrow table: one statement for the batch instead of one per row
 JOURNAL_ARROW_SCHEMA = pa.schema([(name, ARROW_TYPES[kind]) for name, kind in JOURNAL_COLUMNS.items()])
 
@@ -78,6 +83,18 @@ def _from_journal(name: str) -> str:
 
 
 JOURNAL_SELECT = ", ".join(_from_journal(name) for name in EXCHANGE_COLUMNS)
+# a journal's rows as stored: the engine request as written, with its place column (schema.SPLICED_TEXTS), the reply whole
+JOURNAL_STORED_SELECT = f"{JOURNAL_SELECT}, b.{ENGINE_REQUEST_IDS_AT} AS {ENGINE_REQUEST_IDS_AT}, NULL::BIGINT AS {ENGINE_RESPONSE_IDS_AT}"
+# and as its segment stores them: the reply's echo of the prompt ids, when the journal found it in their compact
+# spelling (journal_records), is `[]` there too
+_REPLY_WITHOUT_IDS = (
+    f"CAST(CASE WHEN b.{ENGINE_RESPONSE_IDS_AT} IS NULL THEN engine_response ELSE concat(left(engine_response, b.{ENGINE_RESPONSE_IDS_AT}), '[]', "
+    f"substr(engine_response, b.{ENGINE_RESPONSE_IDS_AT} + 1 + b.{PROMPT_IDS_AT}[2])) END AS JSON) AS engine_response"
+)
+JOURNAL_SEGMENT_SELECT = (
+    ", ".join(_REPLY_WITHOUT_IDS if name == "engine_response" else _from_journal(name) for name in EXCHANGE_COLUMNS)
+    + f", b.{ENGINE_REQUEST_IDS_AT} AS {ENGINE_REQUEST_IDS_AT}, b.{ENGINE_RESPONSE_IDS_AT} AS {ENGINE_RESPONSE_IDS_AT}"
+)
 
 
 def journal_source(number: int, where: str = "") -> str:
@@ -115,6 +132,43 @@ def _prompt_ids_at(response: Any, prompt_ids: Any) -> list[int] | None:
     if text is None or getattr(prompt_ids, "source", None) is not text or not getattr(response, "strict", False):
         return None
     return [prompt_ids.start + 1, prompt_ids.end - prompt_ids.start]
+
+
+# where a token-in request carries its prompt (vLLM's completions, SGLang's /generate); a key inside a string value
+# would have its quotes escaped, so a match is a key
+PROMPT_KEYS = ('"prompt":[', '"input_ids":[')
+MIN_PROMPT_CHARS = 1024  # a shorter array is not worth the view's splice
+
+
+def _request_without_prompt_ids(request: Any, prompt_ids: Any) -> tuple[str, int] | None:
+    """The engine request's text with its prompt-id array replaced by `[]`, and the characters before it, when that
+    array is this row's prompt ids as `to_json` spells them (schema.ENGINE_REQUEST_IDS_AT); else None (kept whole).
+
+    The array is an engine request's own (orjson's compact spelling), digits and commas only, and the same text as the
+    ids the row keeps: its echo in the engine reply (a slice of that text) or the ids' list encoded."""
+    text = getattr(request, "text", None)
+    if not isinstance(text, str) or not getattr(request, "strict", False) or not prompt_ids:
+        return None
+    at = -1
+    for key in PROMPT_KEYS:
+        if (at := text.find(key)) >= 0:
+            at += len(key) - 1
+            break
+    end = text.find("]", at) + 1 if at >= 0 else 0
+    array = text[at:end]
+    if not _compact_ids(array):
+        return None
+    source = getattr(prompt_ids, "source", None)
+    same = source[prompt_ids.start : prompt_ids.end] == array if isinstance(source, str) else orjson.dumps(list(prompt_ids)) == array.encode()
+    return (text[:at] + "[]" + text[end:], at) if same else None
+
+
+def _compact_ids(array: str) -> bool:
+    """Whether a JSON array of ids (valid JSON, as read) is long enough to splice and spelled as `to_json` spells
+    it: digits and commas only between its brackets."""
+    if len(array) < MIN_PROMPT_CHARS or array[0] != "[" or array[-1] != "]":
+        return False
+    return not array[1:-1].encode("utf-8", "replace").translate(None, b"0123456789,")
 
 
 def _list_text(values: Any) -> str:
@@ -167,12 +221,16 @@ def journal_records(row: Mapping[str, Any]) -> tuple[bytes, bytes, list[str | No
     prompt_ids_at = _prompt_ids_at(row.get("engine_response"), row.get("prompt_token_ids"))
     if prompt_ids_at:
         body[PROMPT_IDS_AT] = prompt_ids_at
+        if _compact_ids(row["engine_response"].text[prompt_ids_at[0] - 1 : sum(prompt_ids_at) - 1]):
+            body[ENGINE_RESPONSE_IDS_AT] = prompt_ids_at[0] - 1  # its segment keeps the reply without them
     for name in BODY_FIELDS:
         value = row.get(name)
         if value is None or (prompt_ids_at and name == "prompt_token_ids"):
             continue
         body[name] = _list_text(value) if name in DOUBLE_LISTS else value
     texts = [None if (value := row.get(name)) is None else _json_text(value) if name in JSON_COLUMNS else _text(value) for name in TEXT_FIELDS]
+    if without_ids := _request_without_prompt_ids(row.get("engine_request"), row.get("prompt_token_ids")):
+        texts[TEXT_FIELDS.index("engine_request")], body[ENGINE_REQUEST_IDS_AT] = without_ids
     return _dumps(head), _dumps(body), texts
 
 

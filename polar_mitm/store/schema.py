@@ -77,6 +77,33 @@ EXCHANGE_COLUMNS: dict[str, str] = {
 }
 
 
+# The prompt's ids, as compact JSON (`[1,2,3]`: orjson's spelling, vLLM's and DuckDB's `to_json`), are in two texts
+# besides the `prompt_token_ids` column: the engine reply's echo (~6 characters an id: 44 KB of a 7k-token exchange),
+# and in tokens mode the engine request (its `prompt`). Where such a text is stored with `[]` in the array's place,
+# the place (the characters before it) is in a column of the table's own (not a contract column; NULL: the text is
+# whole), and the `exchanges` view puts the ids back from `prompt_token_ids`: the exact text. Journals splice the
+# request (the reply's echo is where their prompt ids are read from); segments splice both (SPLICED_TEXTS).
+ENGINE_REQUEST_IDS_AT = "engine_request_ids_at"
+ENGINE_RESPONSE_IDS_AT = "engine_response_ids_at"
+SPLICED_TEXTS = {"engine_request": ENGINE_REQUEST_IDS_AT, "engine_response": ENGINE_RESPONSE_IDS_AT}
+
+
+def whole_text(column: str) -> str:
+    """The SQL for a SPLICED_TEXTS column's whole text, the ids put back where its place column says."""
+    at = SPLICED_TEXTS[column]
+    text = f"CAST({column} AS VARCHAR)"
+    return (
+        f"CASE WHEN {at} IS NULL THEN {column} ELSE CAST(concat(left({text}, {at}), CAST(to_json(prompt_token_ids) AS VARCHAR), "
+        f"substr({text}, {at} + 3)) AS JSON) END"
+    )
+
+
+def with_whole_texts(stored: str) -> str:
+    """The rows `stored` selects (the contract's columns, then SPLICED_TEXTS' places) as the contract has them."""
+    replaced = ", ".join(f"{whole_text(column)} AS {column}" for column in SPLICED_TEXTS)
+    return f"SELECT * EXCLUDE ({', '.join(SPLICED_TEXTS.values())}) REPLACE ({replaced}) FROM ({stored}) AS stored"
+
+
 class ExchangeRow(TypedDict, total=False):
     """One exchange as the gateway builds it, keyed by EXCHANGE_COLUMNS (absent keys are stored as NULL).
 

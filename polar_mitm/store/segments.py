@@ -8,7 +8,8 @@ Layout. `exchanges` is a view over two kinds of storage, with the contract's col
   data into the WAL again on every commit (measured on 1.3 to 2.0: the Nth single-row commit of a 14k-id array
   logs N x 56 KB), which made each commit slower than the last until a checkpoint; a JSON record is logged once.
 - segments (`exchange_segment_NNNNNN`, listed in `exchange_segments`): immutable tables with the contract's
-  INTEGER[] / DOUBLE[] columns. When a journal reaches `segment_rows` rows (or its records a size in MB) the writer
+  INTEGER[] / DOUBLE[] columns (the engine reply's echo of the prompt ids, and a token-in engine request's, kept
+  as `[]`: the view puts them back, schema.SPLICED_TEXTS). When a journal reaches `segment_rows` rows (or its records a size in MB) the writer
   starts a new one, and a compactor thread copies the full journal into a new segment table in one transaction of
   its own, after which the writer lists the segment, drops the journal and re-points the view in one transaction.
   The view names only listed segments, so a crash at any point leaves each row visible exactly once (in its journal,
@@ -50,22 +51,24 @@ import duckdb
 import pyarrow as pa
 
 from polar_mitm.errors import ConfigError
-from polar_mitm.store.records import JOURNAL_SELECT, journal_source, journal_table
+from polar_mitm.store.records import JOURNAL_SEGMENT_SELECT, JOURNAL_STORED_SELECT, journal_source, journal_table
 from polar_mitm.store.schema import (
     EXCHANGE_COLUMNS,
     EXCHANGES_DOC,
     MARK_COLUMNS,
     MARKS_TABLE,
     SESSION_COLUMNS,
+    SPLICED_TEXTS,
     base_type,
     now,
     quote,
+    with_whole_texts,
 )
 
 log = logging.getLogger("polar_mitm.store")
 
 SEGMENTS_TABLE = "exchange_segments"  # one row per segment: its number, its Parquet export's name, rows
-SEGMENT_PREFIX = "exchange_segment_"  # a segment's table: exchange_segment_NNNNNN, the contract's columns
+SEGMENT_PREFIX = "exchange_segment_"  # a segment's table: exchange_segment_NNNNNN (SEGMENT_COLUMNS)
 
 
 def segment_table(number: int) -> str:
@@ -124,7 +127,16 @@ def contract_select(present: Collection[str] | None = None) -> str:
 SEGMENT_SELECT = contract_select()
 
 
-ALL_COLUMNS = tuple(EXCHANGE_COLUMNS)  # a segment table's columns, in order, as create_segment makes them
+def stored_select(present: Collection[str]) -> str:
+    """A segment table's rows as one of today's stores them: the contract's columns, then the places of the spliced
+    texts (schema.SPLICED_TEXTS; NULL in a segment made before them: its texts are whole)."""
+    places = ", ".join(f"{at if at in present else 'NULL'}::INTEGER AS {at}" for at in SPLICED_TEXTS.values())
+    return f"{contract_select(present)}, {places}"
+
+
+ALL_COLUMNS = tuple(EXCHANGE_COLUMNS)  # the contract's columns, in order: a segment's Parquet export has them
+# a segment table's columns, in order, as create_segment makes them (a segment made before 2026-12-05 lacks the last)
+SEGMENT_COLUMNS = (*ALL_COLUMNS, *SPLICED_TEXTS.values())
 _ALL_COLUMNS = frozenset(ALL_COLUMNS)
 # the columns of each Parquet file seen (a segment's export is immutable and its name unique): a head's union views
 # and a schema-2 migration read each footer once
@@ -195,11 +207,11 @@ def exchanges_view_sql(segments: dict[int, tuple[str, ...]], journals: list[int]
     without reads as NULL. A segment made with every column (in the contract's order and types, as create_segment
     makes them) is read as `*`: the view's text, parsed at every query, stays short with thousands of segments."""
     parts = [
-        f"SELECT {'*' if columns == ALL_COLUMNS else contract_select(set(columns))} FROM {segment_table(number)}"
+        f"SELECT {'*' if columns == SEGMENT_COLUMNS else stored_select(set(columns))} FROM {segment_table(number)}"
         for number, columns in sorted(segments.items())
     ]
-    parts += [f"SELECT {JOURNAL_SELECT} FROM {journal_source(number)}" for number in journals]
-    return "CREATE OR REPLACE VIEW exchanges AS " + with_marks(" UNION ALL ".join(parts), MARKS_TABLE)
+    parts += [f"SELECT {JOURNAL_STORED_SELECT} FROM {journal_source(number)}" for number in journals]
+    return "CREATE OR REPLACE VIEW exchanges AS " + with_marks(with_whole_texts(" UNION ALL ".join(parts)), MARKS_TABLE)
 
 
 def with_marks(rows: str, marks: str) -> str:
@@ -244,7 +256,8 @@ def create_segment(con: duckdb.DuckDBPyConnection, number: int, select: str) -> 
     constraint may fail a compaction), filled by `select` (named contract columns); in the caller's transaction."""
     table = segment_table(number)
     con.execute(f"DROP TABLE IF EXISTS {table}")
-    con.execute(f"CREATE TABLE {table} ({', '.join(f'{name} {base_type(kind)}' for name, kind in EXCHANGE_COLUMNS.items())})")
+    columns = {**{name: base_type(kind) for name, kind in EXCHANGE_COLUMNS.items()}, **dict.fromkeys(SPLICED_TEXTS.values(), "INTEGER")}
+    con.execute(f"CREATE TABLE {table} ({', '.join(f'{name} {kind}' for name, kind in columns.items())})")
     con.execute(f"INSERT INTO {table} BY NAME {select}")
 
 
@@ -264,9 +277,9 @@ def write_segment(con: duckdb.DuckDBPyConnection, number: int, journal_bytes: in
     # slices of rows (a journal's rowids are 0..rows-1: it is only ever appended to), one INSERT each
     where = [f"rowid >= {start} AND rowid < {start + per_slice}" if per_slice < rows else "" for start in range(0, rows, per_slice)]
     with transaction(con):
-        create_segment(con, number, f"SELECT {JOURNAL_SELECT} FROM {journal_source(number, where[0])}")
+        create_segment(con, number, f"SELECT {JOURNAL_SEGMENT_SELECT} FROM {journal_source(number, where[0])}")
         for condition in where[1:]:
-            con.execute(f"INSERT INTO {segment_table(number)} BY NAME SELECT {JOURNAL_SELECT} FROM {journal_source(number, condition)}")
+            con.execute(f"INSERT INTO {segment_table(number)} BY NAME SELECT {JOURNAL_SEGMENT_SELECT} FROM {journal_source(number, condition)}")
     return rows, len(where)
 
 
@@ -315,7 +328,7 @@ def export_segments(con: duckdb.DuckDBPyConnection, directory: Path) -> list[str
     for number, columns in segment_columns(con).items():
         path = (directory / files[number]).resolve()
         if not path.exists() and columns:
-            write_parquet(con, f"SELECT {contract_select(set(columns))} FROM {segment_table(number)}", path)
+            write_parquet(con, with_whole_texts(f"SELECT {stored_select(set(columns))} FROM {segment_table(number)}"), path)
         paths.append(str(path))
     return paths
 

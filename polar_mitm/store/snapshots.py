@@ -26,8 +26,8 @@ from typing import Literal
 import duckdb
 from pydantic import BaseModel
 
-from polar_mitm.store.records import JOURNAL_PREFIX, JOURNAL_SELECT, journal_source
-from polar_mitm.store.schema import MARKS_TABLE, quote
+from polar_mitm.store.records import JOURNAL_PREFIX, JOURNAL_STORED_SELECT, journal_source
+from polar_mitm.store.schema import MARKS_TABLE, quote, with_whole_texts
 from polar_mitm.store.segments import export_segments, segments_dir
 
 
@@ -77,7 +77,7 @@ def snapshot_store(con: duckdb.DuckDBPyConnection, db_path: Path, node: str, out
         )
         files = list(segments)
         if journals:
-            select = " UNION ALL ".join(f"SELECT {JOURNAL_SELECT} FROM {journal_source(n)}" for n in journals)
+            select = with_whole_texts(" UNION ALL ".join(f"SELECT {JOURNAL_STORED_SELECT} FROM {journal_source(n)}" for n in journals))
             cursor.execute(f"COPY ({select}) TO {quote(str(tail))} (FORMAT parquet, COMPRESSION lz4_raw)")
             files.append(str(tail))
         cursor.execute(f"COPY (SELECT * FROM sessions) TO {quote(str(sessions))} (FORMAT parquet)")

@@ -42,7 +42,7 @@ from polar_mitm.store.schema import (
     trajectory_statements,
 )
 from polar_mitm.store.segments import (
-    ALL_COLUMNS,
+    SEGMENT_COLUMNS,
     connect,
     ensure_schema,
     fetch,
@@ -428,7 +428,7 @@ class Store(Compaction):
         table) in one transaction: the view names the segment as the journal leaves it, never both or neither."""
         if number not in self._journals[:-1]:
             raise RuntimeError(f"{journal_table(number)} is no longer a full journal (the store was reopened)")
-        segments = {**self._segments, **({number: ALL_COLUMNS} if rows else {})}
+        segments = {**self._segments, **({number: SEGMENT_COLUMNS} if rows else {})}
         journals = [j for j in self._journals if j != number]
         with transaction(con):
             if rows:

@@ -217,6 +217,84 @@ def test_prompt_ids_read_from_the_engine_reply(tmp_path: Path) -> None:
         assert ids == {"v": vllm["prompt_token_ids"], "g": list(range(7, 70)), "c": copied["prompt_token_ids"]}
 
 
+def test_prompt_ids_in_the_engine_texts_are_stored_once_and_every_reader_gets_the_texts_exactly(tmp_path: Path) -> None:
+    """Tokens mode sends the prompt as ids: the engine request keeps `[]` in their place wherever it is stored, and so
+    does the engine reply's echo of them in a segment; the view, a snapshot's Parquet files and a segment made before
+    (whole texts) give back the exact texts."""
+    from polar_mitm.store import UnionStore, records
+    from polar_mitm.store.schema import whole_text
+
+    db = tmp_path / "tokens.duckdb"
+    vllm = exchange_row("vllm", 1, prompt_len=3000)  # the ids echoed in the reply, read from there
+    ids = list(vllm["prompt_token_ids"])
+    # characters before the array that are one character to Python but not one byte, or a combining mark
+    vllm["engine_request"] = WireJSON({"model": "m", "stop": ["e\u0301 😀 \"prompt\":["], "prompt": ids, "max_tokens": 5, "logprobs": 0})
+    sglang = exchange_row("sglang", 1, prompt_len=3000)
+    sglang["prompt_token_ids"] = list(sglang["prompt_token_ids"])  # no echo: the ids as the gateway had them
+    sglang["engine_request"] = WireJSON({"input_ids": sglang["prompt_token_ids"], "sampling_params": {"max_new_tokens": 5}})
+    other = exchange_row("other", 1, prompt_len=3000)  # an array that is not this row's prompt: kept whole
+    other["engine_request"] = WireJSON({"prompt": list(reversed(other["prompt_token_ids"]))})
+    spaced = exchange_row("spaced", 1, prompt_len=3000)  # not orjson's spelling: kept whole
+    spaced["engine_request"] = WireJSON({"prompt": list(spaced["prompt_token_ids"])}, json.dumps({"prompt": list(spaced["prompt_token_ids"])}))
+    chat = exchange_row("chat", 1, prompt_len=3000)
+    rows = [vllm, sglang, other, spaced, chat]
+    expected = {row["session_id"]: row["engine_request"].text for row in rows}
+    stored = {row["session_id"]: records.journal_records(row)[2][records.TEXT_FIELDS.index("engine_request")] for row in rows}
+    assert {name: len(text) < 200 for name, text in stored.items() if text != expected[name]} == {"vllm": True, "sglang": True}
+
+    expected_replies = {row["session_id"]: row["engine_response"].text for row in rows}
+
+    def requests(reader) -> dict[str, str]:
+        found = reader.query("SELECT session_id, CAST(engine_request AS VARCHAR), CAST(engine_response AS VARCHAR) FROM exchanges")[1]
+        assert {name: reply for name, _, reply in found} == expected_replies
+        return {name: request for name, request, _ in found}
+
+    target = Store(db, segment_rows=3)
+    try:
+        asyncio.run(commit_all(target, rows, concurrency=1))
+        assert requests(target) == expected  # from segments and the journal
+        snap = target.snapshot("n1", tmp_path / "snap")
+        union = UnionStore([snap])
+        try:
+            assert requests(union) == expected
+        finally:
+            union.close()
+    finally:
+        target.close()
+    assert requests(_Reader(db)) == expected  # closed: every row in a segment, read bare
+    con = duckdb.connect(str(db))
+    try:
+        segments = [name for (name,) in con.execute(f"SELECT table_name FROM duckdb_tables() WHERE starts_with(table_name, '{store.SEGMENT_PREFIX}')").fetchall()]
+        sql = "SELECT session_id, length(CAST(engine_request AS VARCHAR)), length(CAST(engine_response AS VARCHAR)) FROM {}"
+        kept = [row for table in segments for row in con.execute(sql.format(table)).fetchall()]
+        assert sorted(name for name, length, _ in kept if length < len(expected[name])) == ["sglang", "vllm"] and len(kept) == len(rows)
+        # every reply that echoed its prompt ids (all but the one whose ids the gateway had as a list)
+        assert sorted(name for name, _, length in kept if length < len(expected_replies[name]) - 10_000) == ["chat", "other", "spaced", "vllm"]
+        # a segment made before the column: whole requests, no column; it reads the same once a writer opens it
+        for table in segments:
+            con.execute(f"UPDATE {table} SET engine_request = {whole_text('engine_request')}, engine_response = {whole_text('engine_response')}")
+            for column in ("engine_request_ids_at", "engine_response_ids_at"):
+                con.execute(f"ALTER TABLE {table} DROP COLUMN {column}")
+    finally:
+        con.close()
+    Store(db).close()
+    assert requests(_Reader(db)) == expected
+
+
+class _Reader:
+    """A bare DuckDB client on a closed store (no helper, no settings)."""
+
+    def __init__(self, db: Path) -> None:
+        self.db = db
+
+    def query(self, sql: str) -> tuple[None, list[tuple]]:
+        con = duckdb.connect(str(self.db), read_only=True)
+        try:
+            return None, con.execute(sql).fetchall()
+        finally:
+            con.close()
+
+
 def test_commits_log_the_same_bytes_however_many_rows_came_before(tmp_path: Path) -> None:
     """DuckDB logs a list column's whole uncheckpointed data again on every commit (1.3 through 2.0): the Nth
     single-row commit of a 14k-id array wrote N x 56 KB to the WAL. Journals keep a commit's WAL bytes flat."""
