@@ -60,7 +60,7 @@ def run(rows: int, shape: str = "chat") -> dict[str, float]:
             "http_status": 200, "request_headers": spec["headers"], "request_body": json.dumps(spec["body"]),
             "engine_request": WireJSON(request) if shape == "tokens" else WireJSON(request, json.dumps(request)),
             "engine_response": (reply_wire := _decode(json.dumps(reply, separators=(",", ":")))),
-            # read from the reply's echo, as the gateway reads them (a list until 2026-12-05, a copy the gateway never has)
+            # from the reply's echo, as the gateway reads them (until 2026-12-05 a copy, which the gateway never has)
             "prompt_token_ids": reply_wire["choices"][0]["prompt_token_ids"] if shape == "tokens" else reply_wire["prompt_token_ids"], "completion_token_ids": sampled, "completion_logprobs": logprobs, "started_at": now(), "ended_at": now(),
         }
 

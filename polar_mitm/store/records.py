@@ -83,7 +83,7 @@ def _from_journal(name: str) -> str:
 
 
 JOURNAL_SELECT = ", ".join(_from_journal(name) for name in EXCHANGE_COLUMNS)
-# a journal's rows as stored: the engine request as written, with its place column (schema.SPLICED_TEXTS), the reply whole
+# a journal's rows as stored: the engine request as written, with its place (schema.SPLICED_TEXTS), the reply whole
 JOURNAL_STORED_SELECT = f"{JOURNAL_SELECT}, b.{ENGINE_REQUEST_IDS_AT} AS {ENGINE_REQUEST_IDS_AT}, NULL::BIGINT AS {ENGINE_RESPONSE_IDS_AT}"
 # and as its segment stores them: the reply's echo of the prompt ids, when the journal found it in their compact
 # spelling (journal_records), is `[]` there too

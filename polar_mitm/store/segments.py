@@ -9,11 +9,12 @@ Layout. `exchanges` is a view over two kinds of storage, with the contract's col
   logs N x 56 KB), which made each commit slower than the last until a checkpoint; a JSON record is logged once.
 - segments (`exchange_segment_NNNNNN`, listed in `exchange_segments`): immutable tables with the contract's
   INTEGER[] / DOUBLE[] columns (the engine reply's echo of the prompt ids, and a token-in engine request's, kept
-  as `[]`: the view puts them back, schema.SPLICED_TEXTS). When a journal reaches `segment_rows` rows (or its records a size in MB) the writer
-  starts a new one, and a compactor thread copies the full journal into a new segment table in one transaction of
-  its own, after which the writer lists the segment, drops the journal and re-points the view in one transaction.
-  The view names only listed segments, so a crash at any point leaves each row visible exactly once (in its journal,
-  or in its listed segment); an unlisted segment table is dropped when the store reopens.
+  as `[]`: the view puts them back, schema.SPLICED_TEXTS). When a journal reaches `segment_rows` rows (or its
+  records a size in MB) the writer starts a new one, and a compactor thread copies the full journal into a new
+  segment table in one transaction of its own, after which the writer lists the segment, drops the journal and
+  re-points the view in one transaction. The view names only listed segments, so a crash at any point leaves each
+  row visible exactly once (in its journal, or in its listed segment); an unlisted segment table is dropped when
+  the store reopens.
 
 One table per segment, not one table for all: DuckDB rewrites a table's last, partly filled row group (up to
 122,880 rows) at every checkpoint, so a checkpoint after each compaction into one shared table took longer the
