@@ -205,7 +205,7 @@ def _sanitized(value: Any) -> Any:
     return value
 
 
-def journal_records(row: Mapping[str, Any]) -> tuple[bytes, bytes, list[str | None]]:
+def journal_records(row: Mapping[str, Any]) -> tuple[bytes, bytes, list[str | bytes | None]]:
     """The head and body JSON objects of a row's fields beyond the journal's own columns (absent ones left out), and
     its texts (TEXT_FIELDS, in order; JSON ones as their JSON text).
 
@@ -250,7 +250,7 @@ def insert_journal_rows(con: duckdb.DuckDBPyConnection, rows: Sequence[Mapping[s
     return sum(len(head) + len(body) + sum(len(text) for text in texts if text) for head, body, texts in records)
 
 
-def _arrow_rows(rows: Sequence[Mapping[str, Any]], records: list[tuple[bytes, bytes, list[str | None]]]) -> pa.Table:
+def _arrow_rows(rows: Sequence[Mapping[str, Any]], records: list[tuple[bytes, bytes, list[str | bytes | None]]]) -> pa.Table:
     columns: dict[str, Any] = {
         "exchange_id": [row["exchange_id"] for row in rows],
         "session_id": [row["session_id"] for row in rows],
@@ -269,18 +269,30 @@ def _arrow_rows(rows: Sequence[Mapping[str, Any]], records: list[tuple[bytes, by
     return pa.table(columns, schema=JOURNAL_ARROW_SCHEMA)
 
 
-def _text(value: Any) -> str:
-    """A text column's value as text: bytes decoded (invalid UTF-8 replaced), anything else as str() spells it."""
+def _text(value: Any) -> str | bytes:
+    """A text column's value: a str, or bytes that are UTF-8 as they are (a request body: no decoded copy, no
+    encoding again), other bytes decoded (invalid UTF-8 replaced), anything else as str() spells it."""
     if isinstance(value, str):
         return value
     if isinstance(value, (bytes, bytearray)):
-        return bytes(value).decode("utf-8", "replace")
+        value = bytes(value)
+        return value if is_utf8(value) else value.decode("utf-8", "replace")
     return str(value)
 
 
-def _utf8(text: str | None) -> bytes | None:
-    if text is None:
-        return None
+def is_utf8(data: bytes) -> bool:
+    if data.isascii():
+        return True
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _utf8(text: str | bytes | None) -> bytes | None:
+    if text is None or isinstance(text, bytes):
+        return text
     try:
         return text.encode("utf-8")
     except UnicodeEncodeError:  # a lone surrogate (a harness that cut a string inside an emoji): stored as "?"

@@ -132,7 +132,7 @@ class ExchangeRow(TypedDict, total=False):
     retry_count: int | None
     replay: bool | None
     request_headers: Any
-    request_body: str | None
+    request_body: str | bytes | None  # bytes: UTF-8 as they are (others are decoded, invalid UTF-8 replaced)
     ignored_fields: Sequence[str] | None
     normalizations: Sequence[str] | None
     engine_request: Any
