@@ -30,6 +30,8 @@ _CLAUDE_CODE_BILLING_HEADER = "x-anthropic-billing-header"
 # turns at least this long are cached by their text (system prompts, tool schemas), at most this many
 CACHED_SEGMENT_CHARS = 4096
 CACHED_SEGMENTS = 64
+# renders done both ways (apply_chat_template, and transformers' compiled template directly) before the direct way alone
+CHECKED_RENDERS = 8
 
 
 class Renderer:
@@ -53,6 +55,13 @@ class Renderer:
         self.end_of_turn_id: int | None = tokenizer.eos_token_id
         self.stop_token_ids: set[int] = {*stop_token_ids, *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])}
         self._fast = getattr(tokenizer, "_tokenizer", None)  # the Rust tokenizer: encode without Python per-token work
+        self._special_tokens = dict(tokenizer.special_tokens_map)
+        self._compiled = _compiled_template(template)
+        # the probe, then the first real renders, go both ways: a transformers that prepares the data otherwise
+        # (a later version) turns the direct way off
+        self._unchecked = CHECKED_RENDERS
+        if self._compiled is not None:
+            self._direct_agrees(*_PROBE)
         self._segments: OrderedDict[str, array] = OrderedDict()
         self._cache_lock = threading.Lock()  # renders run in worker threads
 
@@ -120,15 +129,52 @@ class Renderer:
         return {key: value for key, value in given.items() if key in self.template_variables and key not in ("chat_template", "tokenize")}
 
     def render_text(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, kwargs: dict[str, Any], add_generation_prompt: bool) -> str:
-        """The template applied to already-prepared messages (see `conversation`)."""
+        """The template applied to already-prepared messages (see `conversation`): what transformers'
+        `apply_chat_template` renders, without its two deep copies of the whole conversation and tools per call
+        (a third of a render of a long history), which plain JSON data needs none of."""
         try:
-            return self.tokenizer.apply_chat_template(
-                messages, tools=tools or None, chat_template=self.template, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
-            )
+            if self._compiled is not None and self._unchecked <= 0:
+                return self._render_direct(messages, tools, kwargs, add_generation_prompt)
+            expected = self._apply_chat_template(messages, tools, kwargs, add_generation_prompt)
+            if self._compiled is not None:
+                self._unchecked -= 1
+                self._direct_agrees(messages, tools, kwargs, add_generation_prompt, expected)
+            return expected
         except jinja2.TemplateError as error:
             raise RenderError(400, "invalid_request_error", f"the model's chat template could not render this conversation: {error}") from error
         except (TypeError, ValueError, KeyError, AttributeError) as error:
             raise RenderError(400, "invalid_request_error", f"the model's chat template could not render this conversation: {type(error).__name__}: {error}") from error
+
+    def _apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, kwargs: dict[str, Any], add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools or None, chat_template=self.template, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+        )
+
+    def _direct_agrees(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, kwargs: dict[str, Any], add_generation_prompt: bool, expected: str | None = None) -> None:
+        """Render both ways; the direct way is off for good unless it gives apply_chat_template's text (a conversation
+        the template refuses either way says nothing)."""
+        try:
+            if expected is None:
+                expected = self._apply_chat_template(messages, tools, kwargs, add_generation_prompt)
+        except Exception:  # noqa: BLE001 - the template refuses the probe (e.g. roles must alternate): no verdict
+            return
+        try:
+            agrees = self._render_direct(messages, tools, kwargs, add_generation_prompt) == expected
+        except Exception:  # noqa: BLE001 - it fails where apply_chat_template did not: not the same
+            agrees = False
+        if not agrees:
+            self._compiled = None
+
+    def _render_direct(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, kwargs: dict[str, Any], add_generation_prompt: bool) -> str:
+        """transformers' compiled template (its sandboxed environment) on the data as apply_chat_template prepares
+        it for a text render: keys whose value is None dropped, reasoning under each of its names."""
+        assert self._compiled is not None
+        template, alias_reasoning = self._compiled
+        chat = [{key: value for key, value in message.items() if value is not None} for message in messages]
+        return template.render(
+            messages=alias_reasoning(chat), tools=tools or None, documents=None, add_generation_prompt=add_generation_prompt,
+            **{**self._special_tokens, **kwargs},
+        )
 
     def encode(self, text: str) -> list[int]:
         """Token ids of rendered text, one turn at a time.
@@ -194,6 +240,34 @@ class Renderer:
         while ids and ids[-1] in self.stop_token_ids:
             ids.pop()
         return self.decode(ids)
+
+
+# a conversation that takes every step of the data's preparation (None values, reasoning, tool calls, a tool's
+# result, content parts), rendered both ways when a renderer is made
+_PROBE: tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any], bool] = (
+    [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": [{"type": "text", "text": "u <|im_end|>"}], "name": None},
+        {"role": "assistant", "content": None, "reasoning_content": "r", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]},
+        {"role": "tool", "content": "t", "tool_call_id": "c"},
+        {"role": "assistant", "content": "a", "reasoning": "r2"},
+        {"role": "user", "content": "u2"},
+    ],
+    [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}],
+    {},
+    True,
+)
+
+
+def _compiled_template(template: str) -> tuple[Any, Any] | None:
+    """transformers' own compiled template (cached by its text) and its reasoning aliasing; None where this
+    transformers lacks them (a render then takes apply_chat_template itself)."""
+    try:
+        from transformers.utils import chat_template_utils
+
+        return chat_template_utils._compile_jinja_template(template), chat_template_utils._alias_reasoning_fields
+    except (ImportError, AttributeError, jinja2.TemplateError):
+        return None
 
 
 def _template_variables(template: str) -> set[str]:

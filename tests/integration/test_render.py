@@ -9,7 +9,9 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+import hypothesis
 import pytest
+from hypothesis import strategies as st
 
 from polar_mitm import dialects
 from polar_mitm.errors import RenderError
@@ -234,3 +236,50 @@ def test_answer_message_matches_what_harnesses_send_back(renderer: Renderer) -> 
     ours = bridge.message_key(renderer.conversation([bridge.answer_message(None, [call])])[0])
     theirs = renderer.conversation([{"role": "assistant", "content": [], "tool_calls": [{"id": "other-id", "type": "function", "function": {"name": "run_shell_command", "arguments": '{"timeout":5,"command":"ls"}'}}]}])[0]
     assert bridge.message_key(theirs) == ours
+
+
+# -- the direct render (the compiled template without apply_chat_template's deep copies)
+
+_text = st.lists(st.sampled_from(["a", "é", "漢", "😀", " ", "\n", "<|im_end|>", "<think>", "</think>", "{", "\"", "\\"]), max_size=12).map("".join)
+_arguments = st.dictionaries(st.sampled_from(["path", "command", "n"]), st.one_of(_text, st.integers(-3, 3), st.none()), max_size=2)
+_call = st.fixed_dictionaries({"id": st.text("abc", min_size=1, max_size=3), "type": st.just("function"),
+                               "function": st.fixed_dictionaries({"name": st.sampled_from(["read_file", "run"]), "arguments": _arguments.map(json.dumps)})})
+_message = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["system", "user"]), "content": st.one_of(_text, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": _text}), max_size=2))}),
+    st.fixed_dictionaries({"role": st.just("assistant"), "content": st.one_of(st.none(), _text)},
+                          optional={"tool_calls": st.lists(_call, max_size=2), "reasoning_content": st.one_of(st.none(), _text), "reasoning": _text}),
+    st.fixed_dictionaries({"role": st.just("tool"), "content": _text, "tool_call_id": st.text("abc", max_size=3)}, optional={"name": st.sampled_from(["read_file", "run"])}),
+)
+
+
+@hypothesis.settings(max_examples=300, deadline=None, suppress_health_check=[hypothesis.HealthCheck.function_scoped_fixture])
+@hypothesis.given(
+    messages=st.lists(_message, min_size=1, max_size=8), prepared=st.booleans(), with_tools=st.booleans(), thinking=st.sampled_from([None, True, False]),
+    generation=st.booleans(),
+)
+def test_the_direct_render_gives_apply_chat_templates_text(renderer: Renderer, messages: list, prepared: bool, with_tools: bool, thinking: bool | None, generation: bool) -> None:
+    """render_text's direct way (the model's compiled template, no deep copies) against transformers'
+    apply_chat_template, on conversations of every shape a request may carry, as `conversation` prepares them and
+    as they come (None values, reasoning under one name): the same text, or the same refusal."""
+    conversation = renderer.conversation(messages) if prepared else messages
+    tools = Renderer.tools({"tools": TOOLS}) if with_tools else None
+    kwargs = renderer.template_kwargs({"chat_template_kwargs": {"enable_thinking": thinking}} if thinking is not None else {})
+    try:
+        expected = renderer._apply_chat_template(conversation, tools, kwargs, generation)
+    except Exception as error:  # noqa: BLE001 - the template refuses this conversation: so must the direct way
+        with pytest.raises(type(error)):
+            renderer._render_direct(conversation, tools, kwargs, generation)
+        return
+    assert renderer._render_direct(conversation, tools, kwargs, generation) == expected
+
+
+def test_a_renderer_whose_direct_render_disagrees_takes_apply_chat_template(renderer: Renderer, model_dir: str) -> None:
+    """A transformers that prepares the data some other way (a later version): the first renders, done both ways,
+    turn the direct way off, and every render is apply_chat_template's."""
+    assert renderer._compiled is not None  # this transformers: the direct way is on
+    other = Renderer.load(model_dir)
+    template, alias = other._compiled
+    other._compiled = (template, lambda chat: [{**message, "content": "changed"} for message in alias(chat)])
+    chat = [{"role": "user", "content": "hi"}]
+    assert other.render_text(chat, None, {}, True) == renderer._apply_chat_template(chat, None, {}, True)
+    assert other._compiled is None
