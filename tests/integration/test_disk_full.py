@@ -148,8 +148,16 @@ CALLS: dict[str, tuple[str, dict[str, str], dict[str, Any]]] = {
 }
 
 
-def call(client: httpx.Client, api: str, stream: bool = False) -> httpx.Response:
+# A row bigger than a memory page: on a full tmpfs a write that fits in the slack of the WAL file's last page takes no
+# new space, so a tiny row can still be committed there (durably: it is on the disk), and whether one fits depends on
+# where the WAL's last write ended. A header of this size is in the row (request_headers) whatever the API.
+PAGE_FILLER = {"x-test-padding": "x" * 6000}
+
+
+def call(client: httpx.Client, api: str, stream: bool = False, padded: bool = False) -> httpx.Response:
     url, headers, body = CALLS[api]
+    if padded:
+        headers = {**headers, **PAGE_FILLER}
     if stream:
         if api == "gemini":
             url = url.replace(":generateContent", ":streamGenerateContent?alt=sse")
@@ -193,11 +201,11 @@ def _full_disk_through_the_gateway(gw: Gateway, disk: Path) -> None:
         filler = fill(disk, 0)
         refused: list[str] = []
         for api in CALLS:
-            response = call(client, api)
+            response = call(client, api, padded=True)
             assert response.status_code == 500, f"{api}: HTTP {response.status_code} on a full disk: {response.text[:300]}"
             assert (why := provider_error(api, response.json())) is None, f"{api}: {why}"
             refused.append(response.headers["x-polar-exchange-id"])
-        streamed = call(client, "anthropic_messages", stream=True)
+        streamed = call(client, "anthropic_messages", stream=True, padded=True)
         # its 200 went out before the commit: the stream ends in Anthropic's error event instead of the reply
         assert streamed.status_code == 200
         assert dialects.get("anthropic_messages").parse_reply_stream(sse_events(streamed.content)).error, streamed.text[-400:]
