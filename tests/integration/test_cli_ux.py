@@ -56,7 +56,12 @@ class Interactive:
 
     @classmethod
     def start(cls, *args: str, **kwargs: Any) -> Interactive:
-        process = subprocess.Popen([str(POLAR), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+        # SIGINT as a terminal's foreground command has it: a suite started in the background (`pytest &` in a
+        # script) passes SIGINT on ignored, and Python then installs no KeyboardInterrupt handler (`submit --wait`
+        # followed its task to the end and exited 0)
+        process = subprocess.Popen(
+            [str(POLAR), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL), **kwargs
+        )
         run = cls(process)
         threading.Thread(target=lambda: run.lines.extend(process.stderr), daemon=True).start()  # type: ignore[arg-type]
         return run
