@@ -14,7 +14,7 @@ from mitmproxy.connection import ConnectionState
 from polar_mitm import redact, session
 from polar_mitm.dialects import Dialect
 from polar_mitm.exchange import DialectError
-from polar_mitm.store import ExchangeRow, is_utf8, now
+from polar_mitm.store import ExchangeRow, now
 
 
 class HTTPReply(NamedTuple):
@@ -61,17 +61,12 @@ def request_row(flow: http.HTTPFlow, api: str, path: str, session_id: str, seq: 
         "replay": bool(flow.is_replay),
         "request_headers": redact.redact_headers(headers),
         # the secrets too short to scrub from what the engine gets (the others are gone from raw_body already)
-        # its bytes, not a decoded copy of them held beside the flow's while the exchange runs (the store writes UTF-8)
-        "request_body": _as_text(redact.scrub_body(raw_body, [s for s in secrets_seen if len(s) < redact.ENGINE_SCRUB_MIN], min_length=1)),
+        # its bytes, not a decoded copy held beside the flow's while the exchange runs (the store checks they are UTF-8)
+        "request_body": redact.scrub_body(raw_body, [s for s in secrets_seen if len(s) < redact.ENGINE_SCRUB_MIN], min_length=1),
         "engine_kind": engine_kind,
         "started_at": now(),
     }
     return row, raw_body
-
-
-def _as_text(body: bytes) -> bytes | str:
-    """A body for a text column: its bytes when they are UTF-8, else decoded (U+FFFD for what is not UTF-8)."""
-    return body if is_utf8(body) else body.decode("utf-8", "replace")
 
 
 def scrub_flow(flow: http.HTTPFlow, body: bytes | None = None) -> None:

@@ -276,11 +276,11 @@ def _text(value: Any) -> str | bytes:
         return value
     if isinstance(value, (bytes, bytearray)):
         value = bytes(value)
-        return value if is_utf8(value) else value.decode("utf-8", "replace")
+        return value if _is_utf8(value) else value.decode("utf-8", "replace")
     return str(value)
 
 
-def is_utf8(data: bytes) -> bool:
+def _is_utf8(data: bytes) -> bool:
     if data.isascii():
         return True
     try:
