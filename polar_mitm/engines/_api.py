@@ -95,7 +95,7 @@ class EngineClient(Protocol):
         ...
 
     async def complete_tokens(self, request: dict[str, Any]) -> dict[str, Any]:
-        """One token-in call (tokens mode; the body from `render.token_engine.build_request`): the raw reply."""
+        """One token-in call (tokens mode; the body from `render.token_engine.encode_request`): the raw reply."""
         ...
 
     def build_count_request(self, chat: dict[str, Any], model: str) -> dict[str, Any]:

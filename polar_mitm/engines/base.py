@@ -25,24 +25,33 @@ class WireJSON(dict):
     """A JSON object together with the exact text it crossed the wire as.
 
     The engine request is encoded once and the reply decoded once; the store records these texts as they are
-    instead of encoding 100+ KB of token ids and logprobs again on every exchange.
+    instead of encoding 100+ KB of token ids and logprobs again on every exchange. A request keeps the bytes it was
+    encoded to (`data`: the object the HTTP client sends, and holds for the whole call) and makes its `text` from them
+    when the store asks, rather than holding the request twice while the engine works; a reply keeps the text it was
+    decoded from.
     """
 
-    __slots__ = ("text", "strict")
+    __slots__ = ("_text", "_data", "strict")
 
     def __init__(self, value: dict[str, Any], text: str | None = None, strict: bool = True):
         super().__init__(value)
+        self._text, self._data, self.strict = text, None, strict
         if text is None:
-            text, strict = _encode(value)
-        self.text = text
-        self.strict = strict  # False: the text has what JSON forbids (NaN, Infinity); the store re-encodes it
+            try:
+                self._data = orjson.dumps(value)
+            except (orjson.JSONEncodeError, TypeError):  # non-string keys, ints beyond 64 bits
+                self._text, self.strict = json.dumps(value, ensure_ascii=False, separators=(",", ":")), False
 
+    @property
+    def text(self) -> str:
+        if self._text is None:
+            assert self._data is not None
+            return self._data.decode()
+        return self._text
 
-def _encode(value: dict[str, Any]) -> tuple[str, bool]:
-    try:
-        return orjson.dumps(value).decode(), True
-    except (orjson.JSONEncodeError, TypeError):
-        return json.dumps(value, ensure_ascii=False, separators=(",", ":")), False  # non-string keys, ints beyond 64 bits
+    @property
+    def data(self) -> bytes:
+        return self._data if self._data is not None else self.text.encode()
 
 
 class TokenIds(Sequence[int]):
@@ -295,7 +304,7 @@ class Engine:
         url = (self.root_url if root else self.base_url) + path
         data = None
         if body is not None:
-            data = (body.text if isinstance(body, WireJSON) else json.dumps(body, ensure_ascii=False)).encode()
+            data = body.data if isinstance(body, WireJSON) else json.dumps(body, ensure_ascii=False).encode()
         limit = self.timeout if timeout is None else timeout
         # only a call's own limit is passed: aiohttp reads timeout=None as "no limit", not as the session's
         per_call: dict[str, Any] = {"timeout": aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=limit)} if timeout is not None else {}

@@ -29,7 +29,7 @@ import json
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,8 +81,8 @@ class Turn:
 
 @dataclass
 class Bridged:
-    prompt_ids: list[int]
-    tail_ids: list[int]
+    prompt_ids: Sequence[int]  # lists when made; 4-byte arrays while the engine works (render/serve.py)
+    tail_ids: Sequence[int]
     parent: Turn | None = None  # the turn it extends; its history is the start of this one's
 
 
@@ -199,8 +199,8 @@ def answer_message(content: str | None, tool_calls: list[Any]) -> dict[str, Any]
 
 
 def make_turn(
-    exchange_id: str, conversation: list[dict[str, Any]], answer: dict[str, Any], setup: str, prompt_ids: list[int],
-    completion_ids: list[int], bridged: Bridged | None = None,
+    exchange_id: str, conversation: list[dict[str, Any]], answer: dict[str, Any], setup: str, prompt_ids: Sequence[int],
+    completion_ids: Sequence[int], bridged: Bridged | None = None,
 ) -> Turn:
     """The turn to remember for an answered exchange. When it was bridged, the history it shares with its parent
     is the parent's (the same messages by `message_key`, which is what bridging matched), so only what follows is

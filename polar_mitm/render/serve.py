@@ -17,7 +17,8 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -146,20 +147,25 @@ class TokenPath:
         # a session with earlier turns and none in memory: its lineage is read from the store, never on the event loop
         restore = self.stored is not None and not self.lineages.holds(session_id) and any(m.get("role") == "assistant" for m in chat["messages"])
         big = request_chars > INLINE_RENDER_CHARS or restore
-        prompt = await asyncio.to_thread(self._prompt, renderer, session_id, chat, restore) if big else self._prompt(renderer, session_id, chat)
-        prompt_ids, conversation, setup, bridged, reason = prompt
+        prompt_ids, conversation, setup, bridged, reason = await asyncio.to_thread(self._prompt, renderer, session_id, chat, restore) if big else self._prompt(renderer, session_id, chat)
         record.bridged, record.bridge_reason = bridged is not None, reason
         if self.max_model_len is None:
             self.max_model_len = self.engine.max_model_len  # configured (--engine-max-model-len) or read at discovery
         if self.max_model_len is None:
             await self._models()
         max_tokens = token_engine.max_new_tokens(chat, len(prompt_ids), self.max_model_len, notes)
-        request = token_engine.build_request(self.engine, chat, model, prompt_ids, max_tokens)
-        record.engine_request, record.engine_started_at = request, now()
-        sent, raw, sampled = await token_engine.call(self.engine, request)
-        record.engine_request, record.engine_response = sent, raw
+        record.engine_request = token_engine.encode_request(self.engine, token_engine.build_request(self.engine, chat, model, prompt_ids, max_tokens))
+        # While the engine works (seconds, for every session in flight) the prompt is held as 4-byte ids: a list holds
+        # a 28-byte int and an 8-byte pointer per id (bench/scale.py, 1,000 sessions: 136 KB per exchange in flight)
+        prompt = array("I", prompt_ids)
+        del prompt_ids
+        if bridged is not None:
+            bridged = bridge.Bridged(prompt, array("I", bridged.tail_ids), bridged.parent)
+        record.engine_started_at = now()
+        raw, sampled = await token_engine.call(self.engine, record.engine_request)
+        record.engine_response = raw
         text = renderer.sampled_text(sampled.completion_ids)
-        output = parsers.parse_output(text, self.tool_format, chat.get("tools"), think_opened=_opens_think(renderer, prompt_ids))
+        output = parsers.parse_output(text, self.tool_format, chat.get("tools"), think_opened=_opens_think(renderer, prompt))
         record.output_parse_error = output.problem or None
         finish = "tool_calls" if output.tool_calls else sampled.finish_reason
         completion = Completion(
@@ -169,16 +175,16 @@ class TokenPath:
             reasoning=output.reasoning,
             tool_calls=output.tool_calls,
             finish_reason=finish,
-            prompt_token_ids=_engine_echo(raw, prompt_ids),
+            prompt_token_ids=_engine_echo(raw, prompt),
             completion_token_ids=sampled.completion_ids,
             completion_logprobs=sampled.logprobs,
             logprobs_content=[{"token": text, "logprob": lp, "bytes": None, "top_logprobs": []} for text, lp in zip(renderer.token_texts(sampled.completion_ids), sampled.logprobs, strict=True)],
-            prompt_tokens=len(prompt_ids),
+            prompt_tokens=len(prompt),
             completion_tokens=len(sampled.completion_ids),
             stop_sequence=sampled.stop_sequence,
         )
         answer = bridge.answer_message(output.content, output.tool_calls)
-        turn = bridge.make_turn(exchange_id, conversation, answer, setup, prompt_ids, sampled.completion_ids, bridged)
+        turn = bridge.make_turn(exchange_id, conversation, answer, setup, prompt, sampled.completion_ids, bridged)
         self.lineages.remember(session_id, turn)
         record.bridge_key = turn.prefix_key
         record.completion = completion
@@ -186,7 +192,7 @@ class TokenPath:
 
     def _prompt(
         self, renderer: Renderer, session_id: str, chat: dict[str, Any], restore: bool = False,
-    ) -> tuple[list[int], list[dict[str, Any]], str, bridge.Bridged | None, str | None]:
+    ) -> tuple[Sequence[int], list[dict[str, Any]], str, bridge.Bridged | None, str | None]:
         """(prompt ids, the conversation as the template sees it, its setup key, the bridge or None, why not).
         `restore`: on a miss, look for the turn in the store (a worker thread only)."""
         conversation = renderer.conversation(chat["messages"])
@@ -231,11 +237,11 @@ class TokenPath:
         return None, 0
 
 
-def _engine_echo(raw: dict[str, Any], prompt_ids: list[int]) -> Any:
+def _engine_echo(raw: dict[str, Any], prompt_ids: array) -> Any:
     """The prompt ids as the engine echoed them (lazily parsed text the store keeps once), else ours."""
     choices = raw.get("choices") if isinstance(raw, dict) else None
     echo = choices[0].get("prompt_token_ids") if choices and isinstance(choices[0], dict) else None
-    return echo if echo is not None and len(echo) == len(prompt_ids) else prompt_ids
+    return echo if echo is not None and len(echo) == len(prompt_ids) else prompt_ids.tolist()
 
 
 def _again(error: RenderError) -> RenderError:
@@ -245,9 +251,9 @@ def _again(error: RenderError) -> RenderError:
     return RenderError(error.status, error.kind, error.message, error.param)
 
 
-def _opens_think(renderer: Renderer, prompt_ids: list[int]) -> bool:
+def _opens_think(renderer: Renderer, prompt_ids: array) -> bool:
     """Whether the generation prompt left a `<think>` block open (templates that start the model thinking)."""
-    tail = renderer.decode(prompt_ids[-4:])
+    tail = renderer.decode(prompt_ids[-4:].tolist())
     return tail.rstrip().endswith(parsers.THINK_OPEN)
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import time
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,7 +67,8 @@ def max_new_tokens(chat: dict[str, Any], prompt_len: int, max_model_len: int | N
     return min(int(requested), room) if room is not None else int(requested)
 
 
-def build_request(engine: EngineClient, chat: dict[str, Any], model: str, prompt_ids: list[int], max_tokens: int) -> dict[str, Any]:
+def build_request(engine: EngineClient, chat: dict[str, Any], model: str, prompt_ids: Sequence[int], max_tokens: int) -> dict[str, Any]:
+    prompt_ids = prompt_ids if isinstance(prompt_ids, list) else list(prompt_ids)  # what JSON encoders take
     if engine.kind == "sglang":
         params = {target: chat[source] for source, target in SGLANG_SAMPLING.items() if chat.get(source) is not None}
         structured = chat.get("structured_outputs") or {}
@@ -85,11 +88,20 @@ def build_request(engine: EngineClient, chat: dict[str, Any], model: str, prompt
     return request
 
 
-async def call(engine: EngineClient, request: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], Sampled]:
-    """(the request as sent, the raw reply, what was sampled)."""
-    request = WireJSON(request)  # encoded once: the same text is sent and recorded
+def encode_request(engine: EngineClient, request: dict[str, Any]) -> WireJSON:
+    """The request encoded once (the same text is sent and recorded), its prompt ids then held in the object as
+    4-byte ids instead of a list's 36 bytes an id: the text is what the engine and the store get."""
+    sent = WireJSON(request)
+    key = "input_ids" if engine.kind == "sglang" else "prompt"
+    if isinstance(sent.get(key), list):
+        sent[key] = array("I", sent[key])
+    return sent
+
+
+async def call(engine: EngineClient, request: WireJSON) -> tuple[dict[str, Any], Sampled]:
+    """(the raw reply, what was sampled) for a request made by encode_request."""
     raw = await engine.complete_tokens(request)
-    return request, raw, _sglang_sampled(raw) if engine.kind == "sglang" else _vllm_sampled(raw)
+    return raw, _sglang_sampled(raw) if engine.kind == "sglang" else _vllm_sampled(raw)
 
 
 def _vllm_sampled(raw: dict[str, Any]) -> Sampled:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+from array import array
 
+import orjson
 import pytest
 
 from polar_mitm.engines import make_engine
+from polar_mitm.engines.base import WireJSON
 from polar_mitm.errors import EngineError
 from polar_mitm.exchange import Notes
 from polar_mitm.render import parsers, token_engine
@@ -66,3 +69,26 @@ def test_token_in_requests_carry_the_sampling_of_the_hooked_chat_request() -> No
     assert sglang == {"input_ids": [1, 2, 3], "sampling_params": {"temperature": 0, "sampling_seed": 7, "min_new_tokens": 1, "regex": "a+", "max_new_tokens": 100, "skip_special_tokens": False}, "return_logprob": True}
     schema = token_engine.build_request(make_engine("vllm", "http://127.0.0.1:9/v1"), {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}}, "m", [1], 8)
     assert schema["structured_outputs"] == {"json": {"type": "object"}}
+
+
+def test_a_token_in_request_is_sent_and_stored_as_its_text_and_holds_its_ids_compactly_meanwhile() -> None:
+    """While the engine works (seconds, for every session in flight) the request holds its prompt as 4-byte ids and
+    its encoded bytes: the bytes are what the HTTP client sends, the text what the store records, and both are the
+    list the renderer made, exactly."""
+    ids = [151644, 872, 198, *range(100_000, 104_000), 2**32 - 1]
+    for kind, key in (("vllm", "prompt"), ("sglang", "input_ids")):
+        engine = make_engine(kind, "http://127.0.0.1:9/v1")
+        built = token_engine.build_request(engine, {"temperature": 0.5}, "m", ids, 16)
+        sent = token_engine.encode_request(engine, built)
+        assert isinstance(sent[key], array) and sent[key].itemsize == 4 and sent[key].tolist() == ids
+        assert json.loads(sent.data) == json.loads(sent.text) == built and sent.data == sent.text.encode()
+        assert sent.strict
+    beyond = token_engine.encode_request(make_engine("vllm", "http://127.0.0.1:9/v1"), {"prompt": [1, 2], "seed": 2**70})
+    assert json.loads(beyond.text) == {"prompt": [1, 2], "seed": 2**70} and beyond.data == beyond.text.encode() and not beyond.strict
+
+
+def test_wire_json_keeps_a_reply_s_text_as_received_and_a_request_s_bytes_as_encoded() -> None:
+    reply = WireJSON({"a": 1}, '{"a":   1}')
+    assert reply.text == '{"a":   1}' and reply.data == b'{"a":   1}' and reply.text is reply.text  # the store finds slices of it by identity
+    request = WireJSON({"text": "é 😀", "n": [1, 2]})
+    assert request.data == orjson.dumps({"text": "é 😀", "n": [1, 2]}) and request.text == request.data.decode()
