@@ -146,7 +146,7 @@ def test_render_without_thoughts_requested_and_with_logprobs() -> None:
         ("/v1beta/models/m:generateContent", {"contents": [{"role": "model", "parts": [{"functionResponse": {"name": "f", "response": {}}}]}]}, "model turn"),
         ("/v1beta/models/m:generateContent", {"contents": [{"parts": [{"fileData": {"fileUri": "gs://x", "mimeType": "text/plain"}}]}]}, "fileData"),
         ("/v1beta/models/m:generateContent", {"contents": [{"parts": [{"videoMetadata": {}}]}]}, "no supported data"),
-        ("/v1beta/models/m:generateContent", {"contents": [{"role": "model", "parts": [{"text": "x", "functionCall": {"name": "f"}}]}]}, "exactly one kind"),
+        ("/v1beta/models/m:generateContent", {"contents": [{"role": "model", "parts": [{"functionCall": {"name": "f"}, "text": "x"}]}]}, "holds text and functionCall; a part holds exactly one kind"),
         ("/v1beta/models/m:generateContent", {"contents": [{"role": "system", "parts": [{"text": "x"}]}]}, "role"),
         ("/v1beta/models/m:generateContent", {"contents": [{"parts": [{"text": "x"}]}], "generationConfig": {"responseMimeType": "text/plain", "responseSchema": {"type": "STRING"}}}, "responseMimeType"),
         ("/v1beta/models/m:generateContent", {"contents": [{"parts": [{"text": "x"}]}], "toolConfig": {"functionCallingConfig": {"mode": "ANY", "allowedFunctionNames": ["nope"]}}}, "undeclared"),
