@@ -67,22 +67,29 @@ class Turn:
 
     def prompt_ids(self) -> list[int]:
         """Its whole prompt: each ancestor's tail and sampled ids, then its own tail."""
+        return self.prompt_array().tolist()
+
+    def prompt_array(self) -> array:
+        """prompt_ids() as 4-byte ids, joined without making a Python int of each."""
         chain: list[Turn] = []
         turn: Turn | None = self
         while turn is not None:
             chain.append(turn)
             turn = turn.parent
-        ids: list[int] = []
+        ids = array("I")
         for ancestor in reversed(chain[1:]):
-            ids += ancestor.tail_ids.tolist()
-            ids += ancestor.completion_ids.tolist()
-        return ids + self.tail_ids.tolist()
+            ids += ancestor.tail_ids
+            ids += ancestor.completion_ids
+        ids += self.tail_ids
+        return ids
 
 
 @dataclass
 class Bridged:
-    prompt_ids: Sequence[int]  # lists when made; 4-byte arrays while the engine works (render/serve.py)
-    tail_ids: Sequence[int]
+    # 4-byte ids (bridge() makes arrays): a gateway at 1,000 sessions held hundreds of bridged prompts at once as
+    # lists, rendered in worker threads and waiting for the event loop (bench/scale.py, tokens mode)
+    prompt_ids: array
+    tail_ids: array
     parent: Turn | None = None  # the turn it extends; its history is the start of this one's
 
 
@@ -251,8 +258,11 @@ def bridge(renderer: Renderer, parent: Turn, conversation: list[dict[str, Any]],
     # otherwise (max_tokens, a stop string, another stop token such as <|endoftext|>) gets the whole end of turn
     ended_turn = bool(parent.completion_ids) and parent.completion_ids[-1] == renderer.end_of_turn_id
     delimiter = head[end_of_turn + len(renderer.eos_token) :] if ended_turn else head[end_of_turn:]
-    tail_ids = renderer.encode(delimiter + full[len(head) :])
-    return Bridged(prompt_ids=parent.prompt_ids() + parent.completion_ids.tolist() + tail_ids, tail_ids=tail_ids, parent=parent)
+    tail_ids = array("I", renderer.encode(delimiter + full[len(head) :]))
+    prompt_ids = parent.prompt_array()
+    prompt_ids += parent.completion_ids
+    prompt_ids += tail_ids
+    return Bridged(prompt_ids=prompt_ids, tail_ids=tail_ids, parent=parent)
 
 
 def _without_reasoning(message: dict[str, Any]) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import asyncio
 import gc
 import logging
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -147,20 +147,14 @@ class TokenPath:
         # a session with earlier turns and none in memory: its lineage is read from the store, never on the event loop
         restore = self.stored is not None and not self.lineages.holds(session_id) and any(m.get("role") == "assistant" for m in chat["messages"])
         big = request_chars > INLINE_RENDER_CHARS or restore
-        prompt_ids, conversation, setup, bridged, reason = await asyncio.to_thread(self._prompt, renderer, session_id, chat, restore) if big else self._prompt(renderer, session_id, chat)
+        prompt, conversation, setup, bridged, reason = await asyncio.to_thread(self._prompt, renderer, session_id, chat, restore) if big else self._prompt(renderer, session_id, chat)
         record.bridged, record.bridge_reason = bridged is not None, reason
         if self.max_model_len is None:
             self.max_model_len = self.engine.max_model_len  # configured (--engine-max-model-len) or read at discovery
         if self.max_model_len is None:
             await self._models()
-        max_tokens = token_engine.max_new_tokens(chat, len(prompt_ids), self.max_model_len, notes)
-        record.engine_request = token_engine.encode_request(self.engine, token_engine.build_request(self.engine, chat, model, prompt_ids, max_tokens))
-        # While the engine works (seconds, for every session in flight) the prompt is held as 4-byte ids: a list holds
-        # a 28-byte int and an 8-byte pointer per id (bench/scale.py, 1,000 sessions: 136 KB per exchange in flight)
-        prompt = array("I", prompt_ids)
-        del prompt_ids
-        if bridged is not None:
-            bridged = bridge.Bridged(prompt, array("I", bridged.tail_ids), bridged.parent)
+        max_tokens = token_engine.max_new_tokens(chat, len(prompt), self.max_model_len, notes)
+        record.engine_request = token_engine.encode_request(self.engine, token_engine.build_request(self.engine, chat, model, prompt, max_tokens))
         record.engine_started_at = now()
         raw, sampled = await token_engine.call(self.engine, record.engine_request)
         record.engine_response = raw
@@ -192,8 +186,12 @@ class TokenPath:
 
     def _prompt(
         self, renderer: Renderer, session_id: str, chat: dict[str, Any], restore: bool = False,
-    ) -> tuple[Sequence[int], list[dict[str, Any]], str, bridge.Bridged | None, str | None]:
+    ) -> tuple[array, list[dict[str, Any]], str, bridge.Bridged | None, str | None]:
         """(prompt ids, the conversation as the template sees it, its setup key, the bridge or None, why not).
+
+        The ids are 4-byte ones from here on, the engine's seconds included: a list holds a 28-byte int and an 8-byte
+        pointer per id, and at 1,000 sessions (bench/scale.py, tokens mode) every exchange in flight held one, as did
+        each render a worker thread had finished while the event loop was busy.
         `restore`: on a miss, look for the turn in the store (a worker thread only)."""
         conversation = renderer.conversation(chat["messages"])
         setup = bridge.setup_key(renderer, chat)
@@ -206,7 +204,7 @@ class TokenPath:
                 return bridged.prompt_ids, conversation, setup, bridged, None
             reason = bridge.TEMPLATE_MISMATCH
         text = renderer.render_text(conversation, renderer.tools(chat), renderer.template_kwargs(chat), add_generation_prompt=True)
-        return renderer.encode(text), conversation, setup, None, reason
+        return array("I", renderer.encode(text)), conversation, setup, None, reason
 
 
     def _restore(self, session_id: str, conversation: list[dict[str, Any]], setup: str) -> tuple[bridge.Turn | None, int]:

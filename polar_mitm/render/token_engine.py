@@ -68,7 +68,8 @@ def max_new_tokens(chat: dict[str, Any], prompt_len: int, max_model_len: int | N
 
 
 def build_request(engine: EngineClient, chat: dict[str, Any], model: str, prompt_ids: Sequence[int], max_tokens: int) -> dict[str, Any]:
-    prompt_ids = prompt_ids if isinstance(prompt_ids, list) else list(prompt_ids)  # what JSON encoders take
+    # what JSON encoders take (for as long as the request takes to encode: encode_request holds 4-byte ids again)
+    prompt_ids = prompt_ids.tolist() if isinstance(prompt_ids, array) else list(prompt_ids)
     if engine.kind == "sglang":
         params = {target: chat[source] for source, target in SGLANG_SAMPLING.items() if chat.get(source) is not None}
         structured = chat.get("structured_outputs") or {}

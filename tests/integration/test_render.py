@@ -164,7 +164,7 @@ def test_qwen3_think_stripping_is_bridged_with_exact_prefixes(renderer: Renderer
     parent, covered, reason = lineages.find("s", conversation, bridge.setup_key(renderer, chat2))
     assert (parent is not None, covered, reason) == (True, 3, None)
     bridged = bridge.bridge(renderer, parent, conversation, covered, renderer.tools(chat2), renderer.template_kwargs(chat2))
-    assert bridged.prompt_ids[: len(prompt1) + len(completion1)] == prompt1 + completion1  # exact prefix, reasoning included
+    assert bridged.prompt_ids.tolist()[: len(prompt1) + len(completion1)] == prompt1 + completion1  # exact prefix, reasoning included
     full = renderer.prompt_ids(chat2)
     assert full[: len(prompt1) + len(completion1)] != prompt1 + completion1  # what a re-render would have broken
     assert "I will run ls." not in renderer.decode(full) and "I will run ls." in renderer.decode(bridged.prompt_ids)
@@ -200,7 +200,7 @@ def test_a_turn_not_ended_by_the_templates_token_is_closed_as_the_template_close
     turn2 = chat["messages"] + [{"role": "assistant", "content": "hi th"}, {"role": "user", "content": "go on"}]
     parent, covered, _ = lineages.find("s", renderer.conversation(turn2), setup)
     bridged = bridge.bridge(renderer, parent, renderer.conversation(turn2), covered, None, {})
-    assert bridged.prompt_ids[: len(prompt) + len(completion)] == prompt + completion
+    assert bridged.prompt_ids.tolist()[: len(prompt) + len(completion)] == prompt + completion
     assert renderer.decode(bridged.tail_ids) == "<|im_end|>\n<|im_start|>user\ngo on<|im_end|>\n<|im_start|>assistant\n"
 
 

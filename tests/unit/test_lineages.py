@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from array import array
+
 from polar_mitm.render import bridge
 
 SETUP = "setup"
@@ -25,10 +27,11 @@ def grow(lineages: bridge.Lineages, session: str, turns: int, size: int = 1000) 
         bridged = None
         if parent is not None:
             assert covered == len(parent.history) and reason is None
-            bridged = bridge.Bridged(prompt_ids=[*parent.prompt_ids(), *parent.completion_ids, 7], tail_ids=[7], parent=parent)
+            tail = array("I", [7])
+            bridged = bridge.Bridged(prompt_ids=parent.prompt_array() + parent.completion_ids + tail, tail_ids=tail, parent=parent)
         else:
             assert n == 0, reason
-        prompt = bridged.prompt_ids if bridged else [1, 2, 3]
+        prompt = bridged.prompt_ids if bridged else array("I", [1, 2, 3])
         turn = bridge.make_turn(f"{session}-{n}", messages, bridge.answer_message(f"step {n}", []), SETUP, prompt, [5] * 10, bridged)
         lineages.remember(session, turn)
         made.append(turn)
@@ -45,6 +48,8 @@ def test_a_bridged_turn_shares_its_parents_history_and_counts_only_its_own_messa
     assert last.parent is before and last.tail_ids.itemsize == 4 and last.tail_ids.tolist() == [7]
     assert last.prompt_ids() == [*before.prompt_ids(), *before.completion_ids, 7] and last.prompt_ids()[:3] == [1, 2, 3]
     assert len(last.prompt_ids()) == 3 + 29 * 11
+    # the same ids joined as 4-byte ones (what bridging sends on), no Python int made for each
+    assert last.prompt_array().itemsize == 4 and last.prompt_array().tolist() == last.prompt_ids()
     # the 30th turn holds what the 3rd does beyond its own tokens: one tool result, one answer, pointers, its own ids
     own_text = [t.nbytes - 4 * (len(t.tail_ids) + len(t.completion_ids)) - 48 * len(t.history) for t in turns[2:]]
     assert max(own_text) - min(own_text) <= 2 and max(own_text) < 1100, own_text
