@@ -89,13 +89,14 @@ def build_request(engine: EngineClient, chat: dict[str, Any], model: str, prompt
     return request
 
 
-def encode_request(engine: EngineClient, request: dict[str, Any]) -> WireJSON:
+def encode_request(engine: EngineClient, request: dict[str, Any], prompt: array | None = None) -> WireJSON:
     """The request encoded once (the same text is sent and recorded), its prompt ids then held in the object as
-    4-byte ids instead of a list's 36 bytes an id: the text is what the engine and the store get."""
+    4-byte ids instead of a list's 36 bytes an id: `prompt`, the caller's own array of the same ids (one copy, not
+    two), else an array made of the list. The text is what the engine and the store get."""
     sent = WireJSON(request)
     key = "input_ids" if engine.kind == "sglang" else "prompt"
     if isinstance(sent.get(key), list):
-        sent[key] = array("I", sent[key])
+        sent[key] = prompt if prompt is not None and len(prompt) == len(sent[key]) else array("I", sent[key])
     return sent
 
 

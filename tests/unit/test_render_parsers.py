@@ -83,6 +83,8 @@ def test_a_token_in_request_is_sent_and_stored_as_its_text_and_holds_its_ids_com
         assert isinstance(sent[key], array) and sent[key].itemsize == 4 and sent[key].tolist() == ids
         assert json.loads(sent.data) == json.loads(sent.text) == built and sent.data == sent.text.encode()
         assert sent.strict
+        held = array("I", ids)
+        assert token_engine.encode_request(engine, token_engine.build_request(engine, {}, "m", held, 16), held)[key] is held  # the caller's ids, not a copy
     beyond = token_engine.encode_request(make_engine("vllm", "http://127.0.0.1:9/v1"), {"prompt": [1, 2], "seed": 2**70})
     assert json.loads(beyond.text) == {"prompt": [1, 2], "seed": 2**70} and beyond.data == beyond.text.encode() and not beyond.strict
 
