@@ -219,11 +219,11 @@ def make_turn(
     if parent is not None:
         assert bridged is not None
         history, keys = [*parent.history, *own], [*parent.keys, *own_keys]
-        tail = array("I", bridged.tail_ids)
+        tail = _ids(bridged.tail_ids)
     else:
         history, keys = own, own_keys
-        tail = array("I", prompt_ids)
-    completion = array("I", completion_ids)
+        tail = _ids(prompt_ids)
+    completion = _ids(completion_ids)
     nbytes = 4 * (len(tail) + len(completion)) + 48 * len(history) + sum(_size(message) for message in own)
     return Turn(exchange_id, _digest(setup, keys), history, keys, setup, tail, completion, parent, nbytes)
 
@@ -233,9 +233,15 @@ def stored_turn(exchange_id: str, history: list[dict[str, Any]], setup: str, pro
     request that the key covers, which are that turn's conversation and answer as the template sees them."""
     own = [_without_reasoning(message) for message in history]
     keys = [message_key(message) for message in own]
-    prompt, completion = array("I", prompt_ids), array("I", completion_ids)
+    prompt, completion = _ids(prompt_ids), _ids(completion_ids)
     nbytes = 4 * (len(prompt) + len(completion)) + 48 * len(own) + sum(_size(message) for message in own)
     return Turn(exchange_id, _digest(setup, keys), own, keys, setup, prompt, completion, None, nbytes)
+
+
+def _ids(values: Sequence[int]) -> array:
+    """Token ids as 4-byte ones: an array of them as it is (tokens mode hands over the prompt's own; nothing changes
+    an array once made), anything else copied into one."""
+    return values if isinstance(values, array) and values.typecode == "I" else array("I", values)
 
 
 def _size(message: dict[str, Any]) -> int:

@@ -154,7 +154,7 @@ class TokenPath:
         if self.max_model_len is None:
             await self._models()
         max_tokens = token_engine.max_new_tokens(chat, len(prompt), self.max_model_len, notes)
-        record.engine_request = token_engine.encode_request(self.engine, token_engine.build_request(self.engine, chat, model, prompt, max_tokens), prompt)
+        record.engine_request = token_engine.encode_request(self.engine, chat, model, prompt, max_tokens)
         record.engine_started_at = now()
         raw, sampled = await token_engine.call(self.engine, record.engine_request)
         record.engine_response = raw

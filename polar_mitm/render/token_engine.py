@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import time
 from array import array
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,9 +66,7 @@ def max_new_tokens(chat: dict[str, Any], prompt_len: int, max_model_len: int | N
     return min(int(requested), room) if room is not None else int(requested)
 
 
-def build_request(engine: EngineClient, chat: dict[str, Any], model: str, prompt_ids: Sequence[int], max_tokens: int) -> dict[str, Any]:
-    # what JSON encoders take (for as long as the request takes to encode: encode_request holds 4-byte ids again)
-    prompt_ids = prompt_ids.tolist() if isinstance(prompt_ids, array) else list(prompt_ids)
+def build_request(engine: EngineClient, chat: dict[str, Any], model: str, prompt_ids: list[int], max_tokens: int) -> dict[str, Any]:
     if engine.kind == "sglang":
         params = {target: chat[source] for source, target in SGLANG_SAMPLING.items() if chat.get(source) is not None}
         structured = chat.get("structured_outputs") or {}
@@ -89,14 +86,11 @@ def build_request(engine: EngineClient, chat: dict[str, Any], model: str, prompt
     return request
 
 
-def encode_request(engine: EngineClient, request: dict[str, Any], prompt: array | None = None) -> WireJSON:
-    """The request encoded once (the same text is sent and recorded), its prompt ids then held in the object as
-    4-byte ids instead of a list's 36 bytes an id: `prompt`, the caller's own array of the same ids (one copy, not
-    two), else an array made of the list. The text is what the engine and the store get."""
-    sent = WireJSON(request)
-    key = "input_ids" if engine.kind == "sglang" else "prompt"
-    if isinstance(sent.get(key), list):
-        sent[key] = prompt if prompt is not None and len(prompt) == len(sent[key]) else array("I", sent[key])
+def encode_request(engine: EngineClient, chat: dict[str, Any], model: str, prompt: array, max_tokens: int) -> WireJSON:
+    """build_request's request, encoded once (the same text is sent and recorded); the object then holds `prompt`
+    itself, 4-byte ids, where the list was (a list holds 36 bytes an id) for as long as the engine works."""
+    sent = WireJSON(build_request(engine, chat, model, prompt.tolist(), max_tokens))
+    sent["input_ids" if engine.kind == "sglang" else "prompt"] = prompt
     return sent
 
 

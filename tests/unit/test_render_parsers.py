@@ -78,15 +78,15 @@ def test_a_token_in_request_is_sent_and_stored_as_its_text_and_holds_its_ids_com
     ids = [151644, 872, 198, *range(100_000, 104_000), 2**32 - 1]
     for kind, key in (("vllm", "prompt"), ("sglang", "input_ids")):
         engine = make_engine(kind, "http://127.0.0.1:9/v1")
+        held = array("I", ids)
+        sent = token_engine.encode_request(engine, {"temperature": 0.5}, "m", held, 16)
+        assert sent[key] is held and held.tolist() == ids  # the caller's 4-byte ids, not a copy, not a list
         built = token_engine.build_request(engine, {"temperature": 0.5}, "m", ids, 16)
-        sent = token_engine.encode_request(engine, built)
-        assert isinstance(sent[key], array) and sent[key].itemsize == 4 and sent[key].tolist() == ids
         assert json.loads(sent.data) == json.loads(sent.text) == built and sent.data == sent.text.encode()
         assert sent.strict
-        held = array("I", ids)
-        assert token_engine.encode_request(engine, token_engine.build_request(engine, {}, "m", held, 16), held)[key] is held  # the caller's ids, not a copy
-    beyond = token_engine.encode_request(make_engine("vllm", "http://127.0.0.1:9/v1"), {"prompt": [1, 2], "seed": 2**70})
-    assert json.loads(beyond.text) == {"prompt": [1, 2], "seed": 2**70} and beyond.data == beyond.text.encode() and not beyond.strict
+    beyond = token_engine.encode_request(make_engine("vllm", "http://127.0.0.1:9/v1"), {"seed": 2**70}, "m", array("I", [1, 2]), 8)
+    assert json.loads(beyond.text)["prompt"] == [1, 2] and json.loads(beyond.text)["seed"] == 2**70
+    assert beyond.data == beyond.text.encode() and not beyond.strict
 
 
 def test_wire_json_keeps_a_reply_s_text_as_received_and_a_request_s_bytes_as_encoded() -> None:
