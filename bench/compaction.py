@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -66,17 +67,20 @@ def run(rows: int, shape: str = "chat") -> dict[str, float]:
 
     built = [row(index) for index in range(rows)]
     folder = Path(tempfile.mkdtemp(prefix="polar-compaction-"))
-    started = time.process_time()
-    store = Store(folder / "b.duckdb")
+    try:
+        started = time.process_time()
+        store = Store(folder / "b.duckdb")
 
-    async def commit_all() -> None:
-        for first in range(0, rows, 64):
-            await asyncio.gather(*(store.commit_exchange(r) for r in built[first : first + 64]))
+        async def commit_all() -> None:
+            for first in range(0, rows, 64):
+                await asyncio.gather(*(store.commit_exchange(r) for r in built[first : first + 64]))
 
-    asyncio.run(commit_all())
-    store.close()
-    cpu = time.process_time() - started
-    size = sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
+        asyncio.run(commit_all())
+        store.close()
+        cpu = time.process_time() - started
+        size = sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)  # ~60 MB a run
     return {"cpu_s": round(cpu, 3), "store_mb": round(size / 2**20, 1)}
 
 

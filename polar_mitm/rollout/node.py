@@ -25,7 +25,6 @@ import logging
 import os
 import shutil
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -41,6 +40,7 @@ from polar_mitm.gateway.config import GatewayConfig
 from polar_mitm.rollout import relay, runtimes
 from polar_mitm.rollout.backend import ControlCall, GatewayReply
 from polar_mitm.rollout.models import SessionResult, TaskRequest, TrajectorySummary, UploadStep
+from polar_mitm.rollout.relay_dirs import make_relay_dir, reap_relay_dirs
 from polar_mitm.rollout.runtimes import GatewayAccess, Sandbox, SandboxSpec
 from polar_mitm.rollout.session_run import ExchangeOutcomes, Report, SessionRun, SessionWork, StageLimits, Stages
 from polar_mitm.store import MATERIAL, Store, StoreReader, now
@@ -218,8 +218,8 @@ class GatewayNode:
         self.output_dir.mkdir(parents=True, exist_ok=True)  # once the gateway is up: a node that cannot start leaves none
         self.stages = Stages(self.config.limits)
         # sandboxes without a network reach the gateway through this socket (mounted into containers)
-        self.relay_dir = Path(tempfile.mkdtemp(prefix="polar-node-"))
-        self.relay_dir.chmod(0o755)
+        reap_relay_dirs()
+        self.relay_dir = make_relay_dir()
         self.relay_server = await relay.serve_unix_to_tcp(str(self.relay_dir / "gateway.sock"), "127.0.0.1", self.port)
         self.engines = await probe_engines(self.config.gateway.upstream)
         self.engine_watch = asyncio.create_task(self._watch_engines(), name="polar node engine probe")

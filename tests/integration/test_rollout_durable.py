@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -130,6 +131,8 @@ def test_a_sigkilled_server_takes_its_sandboxes_and_a_restart_reports_every_sess
         blocked, waiting = ids[2], ids[3]  # prepare slots go in sample order
         assert (before[blocked]["status"], before[waiting]["status"]) == ("preparing", "queued"), before
         until(lambda: len(marked_processes(blocked)) >= 3, "the blocked session's sandbox processes", state=lambda: first.sessions("durable"))
+        relay_folders = list(Path(tempfile.gettempdir()).glob(f"polar-node-{first.process.pid}-*"))
+        assert len(relay_folders) == 1, relay_folders  # its node's relay socket, which a SIGKILL leaves behind
         first.process.send_signal(signal.SIGKILL)  # the server alone: its sandboxes get no signal from us
         first.process.wait()
         killed = time.monotonic()
@@ -138,6 +141,7 @@ def test_a_sigkilled_server_takes_its_sandboxes_and_a_restart_reports_every_sess
 
         rx.refusing = False
         second = Serve(tmp_path, "--prepare-limit", "1")
+        assert not relay_folders[0].exists()  # removed by the restarted server's node (its process is gone)
         listed = second.client.get("/tasks").json()
         assert [t["task_id"] for t in listed] == ["durable"], listed
         # the one never started is started now (it blocks as the other did); cancelled here to end the task
