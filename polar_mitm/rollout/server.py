@@ -141,10 +141,12 @@ class LocalBackend:
 
 
 def reap_sandboxes(owner: str, docker: bool) -> None:
-    """Kill what is left of `owner`'s sandboxes: processes carrying its marker, and (`docker`) its containers."""
+    """Remove what is left of `owner`'s sandboxes: processes carrying its marker and then their directories, and
+    (`docker`) its containers."""
     from polar_mitm.rollout.runtimes import local
 
     local.kill_owned(owner)
+    local.remove_owned(owner)
     if docker:
         from polar_mitm.rollout.runtimes import docker as docker_runtime
 

@@ -137,11 +137,13 @@ def test_a_sigkilled_server_takes_its_sandboxes_and_a_restart_reports_every_sess
         first.process.wait()
         killed = time.monotonic()
         until(lambda: not marked_processes(blocked), "the blocked session's processes gone after the server's SIGKILL", timeout=5)
+        assert len(list(Path(tempfile.gettempdir()).glob(f"polar-sandbox-{blocked[:60]}-*"))) == 1  # its directory is left
         print(f"\nsandbox processes gone {time.monotonic() - killed:.2f}s after the SIGKILL")
 
         rx.refusing = False
         second = Serve(tmp_path, "--prepare-limit", "1")
         assert not relay_folders[0].exists()  # removed by the restarted server's node (its process is gone)
+        assert not list(Path(tempfile.gettempdir()).glob(f"polar-sandbox-{blocked[:60]}-*"))  # its sandbox's directory too
         listed = second.client.get("/tasks").json()
         assert [t["task_id"] for t in listed] == ["durable"], listed
         # the one never started is started now (it blocks as the other did); cancelled here to end the task

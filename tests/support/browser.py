@@ -13,6 +13,7 @@ import base64
 import io
 import itertools
 import json
+import os
 import shutil
 import subprocess
 import tempfile
@@ -52,6 +53,9 @@ class Browser:
              "--hide-scrollbars", "--no-proxy-server", f"--user-data-dir={self.profile}", "--remote-debugging-address=127.0.0.1",
              "--remote-debugging-port=0", f"--window-size={self.width},{self.height}", "about:blank"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            # its singleton socket's folder (org.chromium.Chromium.*) inside the profile, which is removed after it;
+            # in /tmp it outlived every test run (Chromium takes it away only on a clean exit)
+            env={**os.environ, "TMPDIR": str(self._tmp())},
         )
         port_file = self.profile / "DevToolsActivePort"
         deadline = time.monotonic() + 60
@@ -65,6 +69,11 @@ class Browser:
         self.call("Runtime.enable")
         self.resize(self.width, self.height)
         return self
+
+    def _tmp(self) -> Path:
+        folder = self.profile / "tmp"
+        folder.mkdir(exist_ok=True)
+        return folder
 
     async def _connect(self, port: int) -> None:
         self.http = aiohttp.ClientSession(trust_env=False)

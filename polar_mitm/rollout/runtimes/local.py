@@ -12,7 +12,8 @@ dies, prctl PR_SET_PDEATHSIG) and leads a process group of its own, watched by a
 own, reading a pipe only the server holds open): the server's death closes the pipe and the guard kills the whole
 group (the harness's children too: the signal reaches only the process itself). With a `spec.owner`, every
 process also carries POLAR_MITM_SANDBOX_OWNER=<owner>: a restarted server kills any left (`kill_owned`), e.g. one
-that left its group, before it fails the sessions they belonged to.
+that left its group, before it fails the sessions they belonged to, and removes their directories, which name their
+owner in OWNER_FILE (`remove_owned`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from polar_mitm.rollout.runtimes import ExecResult, Sandbox, SandboxSpec, write_
 
 MARKER = "POLAR_MITM_SANDBOX"
 OWNER_MARKER = "POLAR_MITM_SANDBOX_OWNER"
+OWNER_FILE = ".polar-owner"  # in a sandbox's directory, beside (not in) its workspace, HOME and TMPDIR
+PREFIX = "polar-sandbox-"
 PR_SET_PDEATHSIG = 1
 # looked up here, not in the forked child (which must not import or allocate much before exec); Linux only
 _prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)
@@ -53,7 +56,9 @@ class LocalSandbox(Sandbox):
         if self.spec.runtime.capture == "transparent":
             listener = routing.transparent_listener(self.spec.gateway.confdir, self.spec.gateway.url)
             self.namespace = await asyncio.to_thread(open_namespace, self.spec.gateway.confdir, self.id, listener)
-        self.root = Path(tempfile.mkdtemp(prefix=f"polar-sandbox-{self.id[:60]}-"))
+        self.root = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{self.id[:60]}-"))
+        if self.spec.owner:
+            (self.root / OWNER_FILE).write_text(self.spec.owner)
         workspace = self.root / "workspace"
         self.workdir = str(workspace / (self.spec.runtime.workdir or ""))
         self.home = str(self.root / "home")
@@ -210,6 +215,20 @@ def marked_processes(sandbox_id: str, variable: str = MARKER) -> list[int]:
 def kill_owned(owner: str) -> None:
     """SIGKILL every process of every sandbox `owner` (a server's state) started, as kill_marked does one's."""
     kill_marked(owner, variable=OWNER_MARKER)
+
+
+def remove_owned(owner: str) -> int:
+    """Remove the directories of `owner`'s sandboxes (what a killed server left; its processes killed first,
+    `kill_owned`); how many."""
+    removed = 0
+    for root in Path(tempfile.gettempdir()).glob(PREFIX + "*"):
+        try:
+            if root.is_dir() and not root.is_symlink() and (root / OWNER_FILE).read_text() == owner:
+                shutil.rmtree(root)
+                removed += 1
+        except OSError:  # not a sandbox of ours (no owner file), or not ours to read
+            continue
+    return removed
 
 
 def kill_marked(sandbox_id: str, settle: float = 0.2, limit: float = 10.0, variable: str = MARKER) -> None:

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from collections import Counter
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from polar_mitm.rollout.durable import DIED_WITH_SERVER, DurableStore, LocalDurableScheduler
 from polar_mitm.rollout.models import Delivery, SessionResult, TaskRequest
-from polar_mitm.rollout.runtimes.local import marked_processes
+from polar_mitm.rollout.runtimes.local import OWNER_FILE, marked_processes, remove_owned
 from polar_mitm.rollout.session_run import Report, SessionWork, queued_result
 from polar_mitm.store import now
 from tests.support.rollout_runs import Receiver
@@ -119,6 +120,11 @@ def test_local_sandbox_processes_die_with_their_server(tmp_path: Path) -> None:
         while marked_processes(sandbox_id) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert marked_processes(sandbox_id) == [], "the sandbox's processes outlived their server"
+        # its directory is left (no one ran destroy); a restarted server removes it by its owner
+        roots = list(Path(tempfile.gettempdir()).glob(f"polar-sandbox-{sandbox_id}-*"))
+        assert len(roots) == 1 and (roots[0] / OWNER_FILE).read_text() == "unit-owner", roots
+        assert remove_owned("someone-else") == 0 and roots[0].exists()
+        assert remove_owned("unit-owner") == 1 and not roots[0].exists()
     finally:
         server.kill()
         for pid in marked_processes(sandbox_id):
