@@ -17,6 +17,7 @@ from polar_mitm import dialects
 from polar_mitm.errors import RenderError
 from polar_mitm.exchange import ToolCall
 from polar_mitm.render import bridge, parsers
+from polar_mitm.render import renderer as renderer_module
 from polar_mitm.render.renderer import Renderer
 
 FIXTURES = sorted((Path(__file__).parent.parent / "fixtures").glob("*/*.json"))
@@ -95,6 +96,20 @@ def test_reasoning_and_billing_header_render_as_the_engine_does(renderer: Render
     assert ours == engine_ids(engine_url, served, chat, "render")
     text = renderer.decode(ours)
     assert "cch=" not in text and "I should run ls." in text and text.endswith("<think>\n\n</think>\n\n")
+
+
+def test_each_sampled_token_s_text_is_that_token_decoded_alone_also_once_kept_and_past_the_bound(renderer: Renderer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """logprobs' `token` texts: whole words, an emoji's byte tokens (each alone is not UTF-8), special tokens."""
+    ids = renderer.encode("héllo wörld 🦜 naïve <think>x</think>") + [renderer.end_of_turn_id] + renderer.encode("🦜 héllo 🫠")
+    expected = [renderer.tokenizer.decode([token], skip_special_tokens=False) for token in ids]
+    assert "\ufffd" in expected and "<|im_end|>" in expected  # the cases this is about are in it
+    fresh = Renderer.load(renderer.source)
+    assert fresh.token_texts(ids) == expected  # from the tokenizer
+    assert fresh.token_texts(ids) == expected and set(fresh._token_texts) == set(ids)  # from what it kept
+    monkeypatch.setattr(renderer_module, "TOKEN_TEXTS", 5)
+    more = renderer.encode("a different sentence with other words")
+    assert fresh.token_texts(more) == [renderer.tokenizer.decode([token], skip_special_tokens=False) for token in more]
+    assert fresh.token_texts(ids) == expected and len(fresh._token_texts) <= max(5, len(set(ids)))
 
 
 def test_images_are_rejected_when_the_model_has_no_vision(renderer: Renderer) -> None:
