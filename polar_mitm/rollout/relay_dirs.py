@@ -2,9 +2,9 @@
 
 A node makes `polar-node-<pid>-<random>` in the temp folder and removes it when it stops. A node that was killed
 (SIGKILL of `rollout serve`, a Ray actor killed with its worker) cannot, so each node starting on the machine first
-removes the folders whose process is gone. Folders named before the pid was part of the name (`polar-node-<random>`)
-are removed once nothing answers on their socket and they are older than LEGACY_AGE_S (a node of an older version
-that is just starting has not bound its socket yet).
+removes the folders whose process is gone and on whose socket nothing answers. Folders named before the pid was
+part of the name (`polar-node-<random>`) are removed once nothing answers on their socket and they are older than
+LEGACY_AGE_S (a node of an older version that is just starting has not bound its socket yet).
 """
 
 from __future__ import annotations
@@ -51,7 +51,9 @@ def reap_relay_dirs(parent: Path | None = None) -> list[Path]:
 
 def _is_stale(folder: Path) -> bool:
     if match := _WITH_PID.match(folder.name):
-        return not _alive(int(match.group(1)))
+        # and nothing answers on its socket: a node in another pid namespace (a container sharing /tmp) has a pid
+        # that is no process here
+        return not _alive(int(match.group(1))) and not _answers(folder / SOCKET)
     return time.time() - folder.stat().st_mtime > LEGACY_AGE_S and not _answers(folder / SOCKET)
 
 

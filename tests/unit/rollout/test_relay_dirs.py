@@ -41,17 +41,20 @@ def test_only_the_folders_of_nodes_that_are_gone_are_removed(tmp_path: Path) -> 
     _age(old_silent, LEGACY_AGE_S + 60)  # after the socket: a new entry touches its folder
     old_answering = _folder(tmp_path, f"{PREFIX}jkl")
     young_silent = _folder(tmp_path, f"{PREFIX}mno")
+    elsewhere = _folder(tmp_path, f"{PREFIX}{_gone_pid()}-pqr")  # a node in another pid namespace: its pid is none here
     other = _folder(tmp_path, "polar-other-123-x")
-    with socket.socket(socket.AF_UNIX) as listening:
+    with socket.socket(socket.AF_UNIX) as listening, socket.socket(socket.AF_UNIX) as other_namespace:
         listening.bind(str(old_answering / SOCKET))
         listening.listen()
         _age(old_answering, LEGACY_AGE_S + 60)
+        other_namespace.bind(str(elsewhere / SOCKET))
+        other_namespace.listen()
         removed = reap_relay_dirs(tmp_path)
     assert sorted(removed) == sorted([dead, old_silent])
     assert not dead.exists() and not old_silent.exists()
-    assert all(path.exists() for path in (mine, old_answering, young_silent, other))
-    # its node stopped answering: the next start removes it
-    assert reap_relay_dirs(tmp_path) == [old_answering]
+    assert all(path.exists() for path in (mine, old_answering, young_silent, other, elsewhere))
+    # their nodes stopped answering: the next start removes them
+    assert sorted(reap_relay_dirs(tmp_path)) == sorted([old_answering, elsewhere])
     assert all(path.exists() for path in (mine, young_silent, other))
 
 
