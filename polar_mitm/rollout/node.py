@@ -40,7 +40,7 @@ from polar_mitm.gateway.config import GatewayConfig
 from polar_mitm.rollout import relay, runtimes
 from polar_mitm.rollout.backend import ControlCall, GatewayReply
 from polar_mitm.rollout.models import SessionResult, TaskRequest, TrajectorySummary, UploadStep
-from polar_mitm.rollout.relay_dirs import make_relay_dir, reap_relay_dirs
+from polar_mitm.rollout.relay_dirs import SOCKET, make_relay_dir, reap_relay_dirs
 from polar_mitm.rollout.runtimes import GatewayAccess, Sandbox, SandboxSpec
 from polar_mitm.rollout.session_run import ExchangeOutcomes, Report, SessionRun, SessionWork, StageLimits, Stages
 from polar_mitm.store import MATERIAL, Store, StoreReader, now
@@ -218,9 +218,9 @@ class GatewayNode:
         self.output_dir.mkdir(parents=True, exist_ok=True)  # once the gateway is up: a node that cannot start leaves none
         self.stages = Stages(self.config.limits)
         # sandboxes without a network reach the gateway through this socket (mounted into containers)
-        reap_relay_dirs()
+        await asyncio.to_thread(reap_relay_dirs)  # a glob and a connect per folder: off the event loop
         self.relay_dir = make_relay_dir()
-        self.relay_server = await relay.serve_unix_to_tcp(str(self.relay_dir / "gateway.sock"), "127.0.0.1", self.port)
+        self.relay_server = await relay.serve_unix_to_tcp(str(self.relay_dir / SOCKET), "127.0.0.1", self.port)
         self.engines = await probe_engines(self.config.gateway.upstream)
         self.engine_watch = asyncio.create_task(self._watch_engines(), name="polar node engine probe")
 
@@ -303,7 +303,7 @@ class GatewayNode:
 
     # -- the Workbench SessionRun uses
     async def create_sandbox(self, work: SessionWork) -> Sandbox:
-        access = GatewayAccess(url=self.gateway_url, confdir=self.confdir, relay_socket=self.relay_dir / "gateway.sock" if self.relay_dir else None)
+        access = GatewayAccess(url=self.gateway_url, confdir=self.confdir, relay_socket=self.relay_dir / SOCKET if self.relay_dir else None)
         return await runtimes.create(SandboxSpec(sandbox_id=work.session_id, runtime=work.request.runtime, gateway=access, owner=self.config.sandbox_owner))
 
     async def count_exchanges(self, session_id: str) -> int:
