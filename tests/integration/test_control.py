@@ -104,6 +104,20 @@ def control_gateway(make_gateway, engine_url: str) -> tuple[Gateway, GatewayCont
     relay.close()
 
 
+@pytest.fixture
+def held_gateway(make_gateway, engine_url: str) -> tuple[Gateway, GatewayControl, DelayedEngineRelay]:
+    """Each call is held at the relay until the test calls `relay.release()`, not for HELD_S: a test that must act on
+    a call in flight gets it for as long as it needs. On CI's loaded 2-core machine a test thread once stalled between
+    seeing the call in flight and asking for the pause long enough for a 3 s hold to end (twice: a drain that found
+    nothing to wait for, an abort that found nothing to abort)."""
+    relay = DelayedEngineRelay(engine_url, 120)
+    gateway = make_gateway(upstream=relay.url)
+    control = GatewayControl(gateway.proxy_url())
+    yield gateway, control, relay
+    control.close()
+    relay.close()
+
+
 def test_drain_with_four_sessions_mid_turn(control_gateway, session_id: str) -> None:
     gateway, control = control_gateway
     assert control.status()["policy_version"] == 0
@@ -134,8 +148,8 @@ def test_drain_with_four_sessions_mid_turn(control_gateway, session_id: str) -> 
     assert fresh.stats.stale_sequences == 4 and sorted(s.min_policy_version for s in fresh.sequences) == [1, 1, 1, 1]
 
 
-def test_abort_reissues_the_call_and_records_the_attempt_as_untrainable(control_gateway, session_id: str) -> None:
-    gateway, control = control_gateway
+def test_abort_reissues_the_call_and_records_the_attempt_as_untrainable(held_gateway, session_id: str) -> None:
+    gateway, control, relay = held_gateway
     sessions = Sessions(gateway, [session_id], turns=1).start()
     wait_for(control, lambda s: s["in_flight"] == 1)
     started = time.monotonic()
@@ -144,6 +158,7 @@ def test_abort_reissues_the_call_and_records_the_attempt_as_untrainable(control_
     rows_now = [(r["status"], r["error"]) for r in gateway.exchanges(session_id)]
     assert paused["state"] == "paused" and paused["in_flight"] == 0 and paused["aborted_total"] == 1, (paused, rows_now)
     wait_for(control, lambda s: s["waiting"] == 1)  # the aborted call waits to be issued again
+    relay.release()
     control.resume(policy_version=3)
     sessions.join()
     assert len(sessions.finish[session_id]) == 1  # the client got exactly one answer
@@ -159,15 +174,16 @@ def test_abort_reissues_the_call_and_records_the_attempt_as_untrainable(control_
     assert used == {served["exchange_id"]}, used
 
 
-def test_drain_timeout_answers_504_and_keeps_serving(control_gateway, session_id: str) -> None:
-    gateway, control = control_gateway
+def test_drain_timeout_answers_504_and_keeps_serving(held_gateway, session_id: str) -> None:
+    gateway, control, relay = held_gateway
     sessions = Sessions(gateway, [session_id], turns=1).start()
     wait_for(control, lambda s: s["in_flight"] == 1)
     with pytest.raises(ControlError) as caught:
         control.pause(mode="drain", timeout_seconds=0.3)
     assert caught.value.status == 504 and "still in flight" in caught.value.message
     status = control.status()
-    assert status["state"] == "serving" and not status["paused"], status
+    assert status["state"] == "serving" and not status["paused"] and status["in_flight"] == 1, status
+    relay.release()
     assert ask(sdk(gateway, session_id + "-after"), "hello", max_tokens=4)  # new calls are served at once
     sessions.join()
     assert [r["status"] for r in gateway.exchanges(session_id)] == ["ok"]

@@ -110,16 +110,27 @@ def test_a_call_the_client_abandons_is_aborted_on_the_engine_and_recorded_client
         assert time.monotonic() - started < 30, "the call never reached the engine"
         time.sleep(0.05)
     in_flight_at = time.monotonic()
-    # The kill runs on a timer of its own, not after the sampling loop: CI once spent 16 s in one iteration of that
-    # loop (a psutil read of the socket table or a stall of this process) while the whole generation ran out.
+    # The kill runs on a thread of its own, not after the sampling loop: CI once spent 16 s in one iteration of that
+    # loop (a psutil read of the socket table or a stall of this process) while the whole generation ran out. It
+    # waits for the first sample to end (at most 10 s): CI once stalled this thread past a plain 1 s timer before
+    # the loop had sampled once, and the test never learnt the gateway's engine connection.
     killed: list[datetime] = []
-    killer = threading.Timer(1.0, lambda: (client.kill(), killed.append(datetime.now(UTC))))
+    sampled = threading.Event()
+
+    def kill() -> None:
+        sampled.wait(10)
+        time.sleep(max(0.0, in_flight_at + 1.0 - time.monotonic()))
+        client.kill()
+        killed.append(datetime.now(UTC))
+
+    killer = threading.Thread(target=kill)
     killer.start()
     samples: list[float] = []
     while client.poll() is None:
         sampled_at = time.monotonic()
         ports |= engine_connections(gw.process.pid, engine_url)
         samples.append(time.monotonic() - sampled_at)
+        sampled.set()
         time.sleep(0.1)
     killer.join()
     if client.returncode != -signal.SIGKILL:  # it should still have been waiting for its reply: say what it got instead

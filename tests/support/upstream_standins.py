@@ -186,6 +186,7 @@ class _RelayHandler(_Handler):
     failures: list[int] = [0]
     lock: threading.Lock
     closed: threading.Event
+    released: threading.Event
 
     def _forward(self, method: str) -> None:
         body = self.rfile.read(int(self.headers.get("content-length") or 0)) if method == "POST" else None
@@ -195,8 +196,10 @@ class _RelayHandler(_Handler):
                 self.completions[0] += 1
                 fail = self.failures[0] > 0 and self.failing(request)
                 self.failures[0] -= fail
-            if (fail or self.slowed(request)) and self.closed.wait(self.delay):
-                return  # the relay was closed while this call waited: the real engine never sees it
+            if fail or self.slowed(request):
+                self.released.wait(self.delay)
+                if self.closed.is_set():
+                    return  # the relay was closed while this call waited: the real engine never sees it
             if fail:
                 self._reply(500, {"object": "error", "message": "stand-in relay: engine failure after its delay", "type": "InternalServerError", "code": 500})
                 return
@@ -225,12 +228,15 @@ class DelayedEngineRelay(_Served):
 
     With `failing`, it stands in for an engine that fails mid-generation (a crashed worker, an OOM), which no real
     engine does on demand: the first chat completion `failing` selects waits `delay` seconds and then gets HTTP 500
-    from the relay, never reaching the engine; every later one (a retry of it too) is treated as above."""
+    from the relay, never reaching the engine; every later one (a retry of it too) is treated as above.
+
+    `release()` ends every wait at once, now and after: a test that must see a call in flight for as long as it
+    needs (a loaded machine can stall a test thread for seconds) holds it with a long `delay` and releases it."""
 
     def __init__(self, engine_url: str, delay: float, slowed: Callable[[dict], bool] | None = None, failing: Callable[[dict], bool] | None = None):
         root = engine_url.rstrip("/").removesuffix("/v1")
-        self._received, self._closed = [0], threading.Event()
-        attributes = {"target": root, "delay": delay, "completions": self._received, "lock": threading.Lock(), "closed": self._closed}
+        self._received, self._closed, self._released = [0], threading.Event(), threading.Event()
+        attributes = {"target": root, "delay": delay, "completions": self._received, "lock": threading.Lock(), "closed": self._closed, "released": self._released}
         if slowed is not None:
             attributes["slowed"] = staticmethod(slowed)
         if failing is not None:
@@ -241,8 +247,12 @@ class DelayedEngineRelay(_Served):
     def completions(self) -> int:
         return self._received[0]
 
+    def release(self) -> None:
+        self._released.set()
+
     def close(self) -> None:
         self._closed.set()
+        self._released.set()
         super().close()
 
 
