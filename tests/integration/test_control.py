@@ -409,7 +409,9 @@ def test_drain_with_four_real_harnesses_mid_turn(installed, make_gateway, engine
 @pytest.mark.parametrize("name", harness_matrix(["qwen", "codex", "claude", "gemini"], default=("claude", "gemini")))
 def test_abort_reissues_a_real_harness_call(installed, name, make_gateway, engine_url, session_id, tmp_path, monkeypatch):
     harness_env(monkeypatch, [name])
-    relay = DelayedEngineRelay(engine_url, 8.0)
+    # the call in flight is held until the abort is done and the relay released (not for a fixed time: see
+    # held_gateway); every call after it goes straight to the engine
+    relay = DelayedEngineRelay(engine_url, 120)
     gateway = make_gateway("--engine-hook", HOOK, "--keepalive-interval", "1", "--policy-version", "3", upstream=relay.url)
     control = GatewayControl(gateway.proxy_url())
     try:
@@ -424,6 +426,7 @@ def test_abort_reissues_a_real_harness_call(installed, name, make_gateway, engin
                 wait_for(control, lambda s: s["waiting"] == 1)  # the aborted call waits to be issued again
                 time.sleep(HOLD)
             finally:
+                relay.release()
                 resumed_at = datetime.now(UTC)
                 control.resume(policy_version=4)
             result = run.result()
