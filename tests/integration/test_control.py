@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
@@ -89,28 +90,16 @@ def wait_for(control: GatewayControl, predicate, timeout: float = 60) -> dict:
     raise AssertionError(f"gateway never reached the state; last status {status}")
 
 
-# how long the relay in front of the engine holds each call: the call is surely in flight when the test pauses (the
-# random-weight model's own generation time varies with the machine, and it may sample EOS early)
+# how long the relay in front of the engine holds each call in control_gateway: every call lasts a while whatever the
+# random-weight model does (its generation time varies with the machine, and it may sample EOS early). A test that
+# must act on a call in flight uses held_gateway instead.
 HELD_S = 3.0
 
-
-@pytest.fixture
-def control_gateway(make_gateway, engine_url: str) -> tuple[Gateway, GatewayControl]:
-    relay = DelayedEngineRelay(engine_url, HELD_S)
-    gateway = make_gateway(upstream=relay.url)
-    control = GatewayControl(gateway.proxy_url())
-    yield gateway, control
-    control.close()
-    relay.close()
+Relayed = tuple[Gateway, GatewayControl, DelayedEngineRelay]
 
 
-@pytest.fixture
-def held_gateway(make_gateway, engine_url: str) -> tuple[Gateway, GatewayControl, DelayedEngineRelay]:
-    """Each call is held at the relay until the test calls `relay.release()`, not for HELD_S: a test that must act on
-    a call in flight gets it for as long as it needs. On CI's loaded 2-core machine a test thread once stalled between
-    seeing the call in flight and asking for the pause long enough for a 3 s hold to end (twice: a drain that found
-    nothing to wait for, an abort that found nothing to abort)."""
-    relay = DelayedEngineRelay(engine_url, 120)
+def _relayed_gateway(make_gateway, engine_url: str, hold_s: float) -> Iterator[Relayed]:
+    relay = DelayedEngineRelay(engine_url, hold_s)
     gateway = make_gateway(upstream=relay.url)
     control = GatewayControl(gateway.proxy_url())
     yield gateway, control, relay
@@ -118,8 +107,22 @@ def held_gateway(make_gateway, engine_url: str) -> tuple[Gateway, GatewayControl
     relay.close()
 
 
+@pytest.fixture
+def control_gateway(make_gateway, engine_url: str) -> Iterator[Relayed]:
+    yield from _relayed_gateway(make_gateway, engine_url, HELD_S)
+
+
+@pytest.fixture
+def held_gateway(make_gateway, engine_url: str) -> Iterator[Relayed]:
+    """Each call is held at the relay until the test calls `relay.release()`, not for HELD_S: a test that must act on
+    a call in flight gets it for as long as it needs. On CI's loaded 2-core machine a test thread once stalled between
+    seeing the call in flight and asking for the pause long enough for a 3 s hold to end (twice: a drain that found
+    nothing to wait for, an abort that found nothing to abort)."""
+    yield from _relayed_gateway(make_gateway, engine_url, 120)
+
+
 def test_drain_with_four_sessions_mid_turn(control_gateway, session_id: str) -> None:
-    gateway, control = control_gateway
+    gateway, control, _ = control_gateway
     assert control.status()["policy_version"] == 0
     ids = [f"{session_id}-{i}" for i in range(4)]
     sessions = Sessions(gateway, ids, turns=2).start()
@@ -190,7 +193,7 @@ def test_drain_timeout_answers_504_and_keeps_serving(held_gateway, session_id: s
 
 
 def test_bad_control_input_is_4xx_and_loses_nothing_in_flight(control_gateway, session_id: str) -> None:
-    gateway, control = control_gateway
+    gateway, control, _ = control_gateway
 
     def refused(call, status: int, needle: str) -> None:
         with pytest.raises(ControlError) as caught:
