@@ -108,6 +108,10 @@ class Service:
         """CPU time (user + system, all threads) used so far by the service and its children."""
         return sum(_cpu_s(pid) for pid in process_tree(self.process.pid)) if self.process else 0.0
 
+    def own_cpu_s(self) -> float:
+        """CPU time used so far by the service's own process, without its children."""
+        return _cpu_s(self.process.pid) if self.process else 0.0
+
 
 def process_tree(pid: int) -> list[int]:
     children: dict[int, list[int]] = {}

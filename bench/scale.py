@@ -30,6 +30,7 @@ import asyncio
 import json
 import random
 import resource
+import shlex
 import shutil
 import ssl
 import sys
@@ -143,6 +144,7 @@ class Level:
     connections: int = 0
     wall_s: float = 0.0
     cpu_s: float = 0.0
+    proxy_cpu_s: float = 0.0  # the proxy's own process, without its children (a store process: --store-process)
 
 
 async def one_session(target: Target, index: int, api: str, stream: bool, turns: int, plain_chat: bool, ramp_s: float, level: Level, open_now: list[int]) -> None:
@@ -189,9 +191,9 @@ async def run_level(name: str, service: Service, target: Target, n: int, turns: 
             await asyncio.sleep(0.5)
 
     sampler = asyncio.create_task(sample())
-    cpu0, t0 = service.cpu_s(), time.perf_counter()
+    cpu0, own0, t0 = service.cpu_s(), service.own_cpu_s(), time.perf_counter()
     await asyncio.gather(*(one_session(target, i, APIS[i % len(APIS)], (i // len(APIS)) % 2 == 1, turns, plain_chat, ramp_s, level, open_now) for i in range(n)))
-    level.wall_s, level.cpu_s = time.perf_counter() - t0, service.cpu_s() - cpu0
+    level.wall_s, level.cpu_s, level.proxy_cpu_s = time.perf_counter() - t0, service.cpu_s() - cpu0, service.own_cpu_s() - own0
     done.set()
     await sampler
     level.rss.append(service.rss_mb())
@@ -205,6 +207,7 @@ def figures(level: Level, delay_s: float) -> dict[str, Any]:
         "proxy": level.proxy, "sessions": level.sessions, "exchanges": exchanges, "exchanges_per_s": round(exchanges / level.wall_s, 1) if level.wall_s else 0,
         "added_p50_s": round(percentile(added, 50), 3), "added_p99_s": round(percentile(added, 99), 3),
         "cpu_ms_per_exchange": round(1000 * level.cpu_s / exchanges, 2) if exchanges else None,
+        "proxy_process_cpu_ms_per_exchange": round(1000 * level.proxy_cpu_s / exchanges, 2) if exchanges else None,
         "rss_peak_mb": round(max(level.rss)), "rss_end_mb": round(level.rss[-1]), "connections_max": level.connections,
         "errors": sum(level.errors.values()), "error_classes": dict(level.errors), "wall_s": round(level.wall_s, 1),
     }
@@ -237,6 +240,9 @@ def main() -> int:
     parser.add_argument("--engine-delay-s", type=float, default=2.0)
     parser.add_argument("--ramp-s", type=float, default=5.0, help="sessions start spread over this many seconds")
     parser.add_argument("--proxies", default="mitmproxy,gateway-chat,gateway-tokens")
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=FLAGS",
+                        help="a gateway variant to run beside the others: NAME starts with gateway-chat or gateway-tokens (its render mode), "
+                             "FLAGS are added to its command line, e.g. --set gateway-chat-sp=--store-process --proxies mitmproxy,gateway-chat,gateway-chat-sp")
     parser.add_argument("--out", type=Path, help="write JSON here and markdown beside it (.md)")
     parser.add_argument("--keep", action="store_true", help="keep the temporary folder (logs, stores); kept anyway when a level had errors")
     args = parser.parse_args()
@@ -259,16 +265,22 @@ def main() -> int:
         services["engine"].wait(60)
         upstream = f"http://127.0.0.1:{engine_port}/v1"
         wanted = args.proxies.split(",")
+        variants = dict(item.split("=", 1) for item in args.set)
+        for name in wanted:
+            if name != "mitmproxy" and not name.startswith(("gateway-chat", "gateway-tokens")):
+                parser.error(f"--proxies {name}: a gateway's name starts with gateway-chat or gateway-tokens")
         for name in wanted:
             port = free_port()
             if name == "mitmproxy":
                 mitmdump = Path(python).parent / "mitmdump"
                 services[name] = Service(name, port, [str(mitmdump), "--mode", f"reverse:{upstream.removesuffix('/v1')}@{port}", "--set", f"confdir={confdir}", "-q"], tmp / f"{name}.log").start()
                 continue
-            if name == "gateway-tokens" and not has_model:
+            tokens = name.startswith("gateway-tokens")
+            if tokens and not has_model:
                 print(f"  {name}: skipped, no model at {model_dir} (polar-mitm engine start builds it)", flush=True)
                 continue
-            render = ["--render", "tokens", "--render-model", str(model_dir)] if name == "gateway-tokens" else ["--render", "chat"]
+            render = ["--render", "tokens", "--render-model", str(model_dir)] if tokens else ["--render", "chat"]
+            render += shlex.split(variants.get(name, ""))
             db = tmp / f"{name}.duckdb"
             services[name] = Service(name, port, [python, "-m", "polar_mitm.cli", "gateway", "--port", str(port), "--upstream", upstream, "--db", str(db), "--confdir", str(confdir),
                                                   "--require-auth", "--keepalive-interval", "0.5", *render], tmp / f"{name}.log").start()
@@ -298,7 +310,7 @@ def main() -> int:
                 row = figures(level, args.engine_delay_s)
                 rows.append(row)
                 print(f"  {n:>5} {name:<15} {row['exchanges']:>6} exchanges {row['exchanges_per_s']:>6}/s  added p50 {row['added_p50_s']}s p99 {row['added_p99_s']}s  "
-                      f"CPU {row['cpu_ms_per_exchange']} ms/exchange  RSS {row['rss_peak_mb']}/{row['rss_end_mb']} MB  conns {row['connections_max']}  errors {row['errors']} {row['error_classes'] or ''}", flush=True)
+                      f"CPU {row['cpu_ms_per_exchange']} ms/exchange ({row['proxy_process_cpu_ms_per_exchange']} in the proxy's process)  RSS {row['rss_peak_mb']}/{row['rss_end_mb']} MB  conns {row['connections_max']}  errors {row['errors']} {row['error_classes'] or ''}", flush=True)
     finally:
         stop_all(services)
     info = machine()

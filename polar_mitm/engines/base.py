@@ -53,6 +53,21 @@ class WireJSON(dict):
     def data(self) -> bytes:
         return self._data if self._data is not None else self.text.encode()
 
+    def texts(self) -> tuple[str | None, bytes | None, bool, dict[str, Any] | None]:
+        """What `restored` rebuilds it from for the store: the wire text or bytes, strictness, and the object only
+        when its text is not strict JSON (the store then encodes the object again)."""
+        return self._text, self._data, self.strict, None if self.strict else dict(self)
+
+    @classmethod
+    def restored(cls, text: str | None, data: bytes | None, strict: bool, value: dict[str, Any] | None) -> WireJSON:
+        """A copy carrying `texts()` only (the store reads the text, never the object): what a store in another
+        process gets instead of the parsed reply, which would cost the gateway its pickling."""
+        wire = cls.__new__(cls)
+        if value:
+            dict.update(wire, value)
+        wire._text, wire._data, wire.strict = text, data, strict
+        return wire
+
 
 class TokenIds(Sequence[int]):
     """Prompt token ids left as their JSON text until someone reads them.

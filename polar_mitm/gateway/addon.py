@@ -39,9 +39,10 @@ from polar_mitm.gateway.delivery import Deliveries
 from polar_mitm.gateway.engine_side import EngineHook, EngineSide, unstreamed_timeout
 from polar_mitm.gateway.outcome import CommitFailed, Outcome, outcome_of, settle
 from polar_mitm.gateway.startup import open_when_readers_leave, why_not_opened
+from polar_mitm.gateway.store_process import StoreProcess
 from polar_mitm.gateway.streaming import LoopbackStreams, StreamedReply
 from polar_mitm.render.serve import TokenPath
-from polar_mitm.store import ExchangeRow, Store, now
+from polar_mitm.store import ExchangeRow, ExchangeStore, now
 from polar_mitm.util import load_function
 
 log = logging.getLogger("polar_mitm.gateway")
@@ -66,7 +67,7 @@ class PolarAddon:
         # a rollout server's own gateway: announced as a node, which default discovery (`polar-mitm run`) skips,
         # since its store is the rollout server's
         self.rollout_node = rollout_node
-        self.store: Store | None = None
+        self.store: ExchangeStore | None = None
         self.engine: EngineClient | None = None
         self.secret: bytes = b""
         self.sessions_by_connection: weakref.WeakKeyDictionary[connection.Client, tuple[str, str] | None] = weakref.WeakKeyDictionary()
@@ -163,9 +164,8 @@ class PolarAddon:
         db = Path(ctx.options.polar_db)
         try:
             # the store says in one line when it cannot write and when it writes again (not a line per request)
-            self.store = open_when_readers_leave(
-                db, ctx.options.polar_store_memory_mb, ctx.options.polar_store_journal_mb, ctx.options.polar_store_compact_slice_mb, self._tell,
-            )
+            bounds = (ctx.options.polar_store_memory_mb, ctx.options.polar_store_journal_mb, ctx.options.polar_store_compact_slice_mb)
+            self.store = StoreProcess(db, *bounds, self._tell) if ctx.options.polar_store_process else open_when_readers_leave(db, *bounds, self._tell)
             self.store.serve_sql(ctx.options.polar_sql_port)
         except Exception as error:  # noqa: BLE001 - a startup failure, told in one line (errorcheck exits)
             if self.store is not None:
@@ -443,7 +443,7 @@ class PolarAddon:
     def _outcome(self, failure: Exception | None, flow: http.HTTPFlow) -> Outcome:
         """outcome_of for this flow; a bug of ours and a refused commit are logged with their traceback."""
         if isinstance(failure, CommitFailed):
-            pass  # the store said so, once for the whole episode (Store.report)
+            pass  # the store said so, once for the whole episode (its report)
         elif failure is not None and not isinstance(failure, PolarError):
             log.error("polar: internal error", exc_info=failure)
         return outcome_of(failure, self.deliveries.gone(flow))

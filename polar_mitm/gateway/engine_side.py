@@ -17,7 +17,7 @@ from polar_mitm.exchange import DialectError, EngineError, EngineRecord, ParsedR
 from polar_mitm.gateway.control import EngineCallAborted, PolicyControl
 from polar_mitm.gateway.outcome import apply_record
 from polar_mitm.render.serve import TokenPath
-from polar_mitm.store import ExchangeRow, Store, now
+from polar_mitm.store import ExchangeRow, ExchangeStore, now
 
 # --engine-hook: (engine request, exchange context) -> the request to send instead, or None to keep it
 EngineHook = Callable[[dict[str, Any], dict[str, Any]], dict[str, Any] | None]
@@ -32,7 +32,7 @@ class EngineSide:
 
     engine: EngineClient | None
     control: PolicyControl
-    store: Store
+    store: ExchangeStore
     tokens: TokenPath | None = None
     hook: EngineHook | None = None
     model_map: Sequence[tuple[str, str | None]] = ()

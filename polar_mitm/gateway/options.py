@@ -220,6 +220,13 @@ OPTIONS: tuple[Option, ...] = (
         "MB of records a compaction parses at once (default 8; 0: the whole journal)", metavar="MB",
     ),
     Option(
+        "store_process", bool, False,
+        "Run the store (DuckDB's writer and compactor) in a process of its own beside the gateway's, so DuckDB's work "
+        "does not compete with the proxy's event loop for one Python GIL; commit-before-reply still holds (bench/README.md, "
+        "\"The store in its own process\").",
+        "run the store's writer in a process of its own (see bench/README.md)",
+    ),
+    Option(
         "sql_port", int, 0, "Loopback port of the read-only SQL endpoint for other processes (0: any free port).",
         "loopback port for read-only SQL from other processes (default: any)",
     ),

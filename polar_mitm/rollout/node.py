@@ -43,7 +43,7 @@ from polar_mitm.rollout.models import SessionResult, TaskRequest, TrajectorySumm
 from polar_mitm.rollout.relay_dirs import SOCKET, make_relay_dir, reap_relay_dirs
 from polar_mitm.rollout.runtimes import GatewayAccess, Sandbox, SandboxSpec
 from polar_mitm.rollout.session_run import ExchangeOutcomes, Report, SessionRun, SessionWork, StageLimits, Stages
-from polar_mitm.store import MATERIAL, Store, StoreReader, now
+from polar_mitm.store import MATERIAL, ExchangeStore, StoreReader, now
 from polar_mitm.util import free_port, listening, load_function
 
 log = logging.getLogger("polar_mitm.rollout")
@@ -129,7 +129,7 @@ class InProcessGateway:
         self.failure: BaseException | None = None
 
     @property
-    def store(self) -> Store:
+    def store(self) -> ExchangeStore:
         store = self.master.addons.get("polaraddon").store if self.master else None
         if store is None:
             raise RuntimeError("the gateway's store is not open")
@@ -199,7 +199,7 @@ class GatewayNode:
         return f"http://127.0.0.1:{self.port}"
 
     @property
-    def store(self) -> Store:
+    def store(self) -> ExchangeStore:
         return self.gateway.store
 
     async def start(self) -> None:

@@ -19,7 +19,14 @@ Every name below is importable from `polar_mitm.store` as before the split.
 
 from polar_mitm.store import views
 from polar_mitm.store.by_path import live_holder, query, query_dicts
-from polar_mitm.store.reading import ClosedStore, SnapshotSource, StorePath, StoreReader, snapshot_closed_store
+from polar_mitm.store.reading import (
+    ClosedStore,
+    ExchangeStore,
+    SnapshotSource,
+    StorePath,
+    StoreReader,
+    snapshot_closed_store,
+)
 from polar_mitm.store.records import (
     BODY_FIELDS,
     BODY_STRUCTURE,
@@ -78,6 +85,7 @@ __all__ = [
     "snapshot_closed_store",
     "StoreReader",
     "StorePath",
+    "ExchangeStore",
     "SnapshotSource",
     "ClosedStore",
     "BODY_FIELDS",

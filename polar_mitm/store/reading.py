@@ -25,6 +25,7 @@ import duckdb
 import pyarrow as pa
 
 from polar_mitm.store.by_path import query as query_path
+from polar_mitm.store.schema import ExchangeRow
 from polar_mitm.store.segments import connect, fetch, fetch_arrow
 from polar_mitm.store.snapshots import NodeSnapshot, snapshot_dir, snapshot_store
 
@@ -56,6 +57,42 @@ class SnapshotSource(StoreReader, Protocol):
     def snapshot(self, node: str, out_dir: Path | None = None) -> NodeSnapshot:
         """Its exchanges and sessions as files (segments in place, the journal tail and `sessions` written into
         `out_dir`, default `<db>.snapshots/`), every row in exactly one of them; `node` names it in a union."""
+        ...
+
+
+@runtime_checkable
+class ExchangeStore(SnapshotSource, Protocol):
+    """The store as its gateway writes it: `Store` in the gateway's process, or `StoreProcess`
+    (polar_mitm.gateway.store_process) in a process of its own. Commits return once the row is durable."""
+
+    path: Path
+
+    def next_seq(self, session_id: str) -> int:
+        """The next exchange's seq in the session (issued in memory: the event loop never waits for it)."""
+        ...
+
+    def issued_seqs(self, session_id: str) -> int:
+        """How many exchanges of the session were begun (each gets its row: committed, or still in flight)."""
+        ...
+
+    async def commit_exchange(self, row: ExchangeRow) -> None:
+        """Commit one exchange row; returns once it is durable, raises if it was refused."""
+        ...
+
+    async def commit_mark(self, exchange_id: str, status: str, error: str) -> None:
+        """Commit a later status for a committed exchange (a reply that could not be delivered)."""
+        ...
+
+    def execute_write(self, sql: str, params: list[Any] | None = None) -> None:
+        """One write statement, serialised with the exchange commits."""
+        ...
+
+    def serve_sql(self, port: int = 0) -> str:
+        """Answer read-only SQL from other processes on a loopback port; returns its URL."""
+        ...
+
+    def close(self) -> None:
+        """Stop writing; every journal becomes a segment."""
         ...
 
 

@@ -48,9 +48,12 @@ def _json_default(value: Any) -> Any:
     return str(value)
 
 
-def serve_sql(db_path: str | os.PathLike[str], run_query: RunQuery, port: int = 0, load_trajectories: LoadTrajectories | None = None) -> ThreadingHTTPServer:
+def serve_sql(
+    db_path: str | os.PathLike[str], run_query: RunQuery, port: int = 0, load_trajectories: LoadTrajectories | None = None, pid: int | None = None,
+) -> ThreadingHTTPServer:
     """Answer read-only SQL with `run_query` (and trajectory loads with `load_trajectories`) on a loopback port, and
-    name the endpoint in the control file."""
+    name the endpoint in the control file, with the pid of the gateway that holds the store (default: this process;
+    a store in a process of its own names its gateway's, which it does not outlive)."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self) -> None:  # noqa: N802 - http.server API
@@ -85,7 +88,7 @@ def serve_sql(db_path: str | os.PathLike[str], run_query: RunQuery, port: int = 
     # whole or absent: a reader never sees half a file
     control = control_file(db_path)
     partial = control.with_name(control.name + f".{os.getpid()}.tmp")
-    partial.write_text(json.dumps({"pid": os.getpid(), "sql_url": sql_url(server)}))
+    partial.write_text(json.dumps({"pid": pid or os.getpid(), "sql_url": sql_url(server)}))
     os.replace(partial, control)
     return server
 

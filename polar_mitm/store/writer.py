@@ -169,18 +169,31 @@ class Store(Compaction):
         return self._seq.get(session_id, 0)
 
     # -- writes
+    def seqs(self) -> dict[str, int]:
+        """Each session's last issued seq (a store in another process hands these to its gateway at start)."""
+        return dict(self._seq)
+
     async def commit_exchange(self, row: ExchangeRow) -> None:
         """Commit one exchange row; returns only once it is durable in DuckDB."""
         # the row is converted in the writer thread, in bulk: the event loop only queues it
-        await self._written(_Pending(row=row))
+        await self._written(lambda done: self.submit_exchange(row, done))
 
     async def commit_mark(self, exchange_id: str, status: str, error: str) -> None:
         """Commit a later status for a committed exchange (schema.MARKS_TABLE: a reply that could not be
         delivered); the `exchanges` view shows it instead of the row's own. Returns once it is durable."""
-        await self._written(_Pending(f"INSERT OR REPLACE INTO {MARKS_TABLE} VALUES (?, ?, ?, ?)", [exchange_id, status, error, now()]))
+        await self._written(lambda done: self.submit_mark(exchange_id, status, error, done))
 
-    async def _written(self, item: _Pending) -> None:
-        """Queue `item` for the writer thread and wait (on the event loop) until it is durable; raises its failure."""
+    def submit_exchange(self, row: ExchangeRow, done: Callable[[BaseException | None], None]) -> None:
+        """Queue one exchange row; `done` is called from the writer thread once it is durable (None) or refused."""
+        self._queue.put(_Pending(row=row, done=done))
+
+    def submit_mark(self, exchange_id: str, status: str, error: str, done: Callable[[BaseException | None], None]) -> None:
+        """Queue a mark (commit_mark); `done` as for submit_exchange."""
+        self._queue.put(_Pending(f"INSERT OR REPLACE INTO {MARKS_TABLE} VALUES (?, ?, ?, ?)", [exchange_id, status, error, now()], done=done))
+
+    @staticmethod
+    async def _written(submit: Callable[[Callable[[BaseException | None], None]], None]) -> None:
+        """Queue a write with `submit` and wait (on the event loop) until it is durable; raises its failure."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
 
@@ -188,8 +201,7 @@ class Store(Compaction):
             if not future.done():
                 future.set_exception(error) if error is not None else future.set_result(None)
 
-        item.done = lambda error: loop.call_soon_threadsafe(settle, error)
-        self._queue.put(item)
+        submit(lambda error: loop.call_soon_threadsafe(settle, error))
         await future
 
     def execute_write(self, sql: str, params: list[Any] | None = None) -> None:
@@ -468,9 +480,10 @@ class Store(Compaction):
         for sql in trajectory_statements(parquet):
             self.execute_write(sql)
 
-    def serve_sql(self, port: int = 0) -> str:
-        """Answer read-only SQL from other processes on a loopback port (named in the control file); returns its URL."""
-        self._control = sql_endpoint.serve_sql(self.path, self.query, port, self.load_trajectories)
+    def serve_sql(self, port: int = 0, pid: int | None = None) -> str:
+        """Answer read-only SQL from other processes on a loopback port (named in the control file, with `pid`:
+        the gateway's, default this process's); returns its URL."""
+        self._control = sql_endpoint.serve_sql(self.path, self.query, port, self.load_trajectories, pid)
         return sql_endpoint.sql_url(self._control)
 
     def close(self) -> None:

@@ -46,7 +46,9 @@ class Gateway:
     def start(self, timeout: float = 60) -> Gateway:
         self.log = self.db.with_suffix(".gateway.log")
         db = os.path.relpath(self.db, self.cwd) if self.cwd is not None else str(self.db)
-        command = [sys.executable, "-m", "polar_mitm.cli", "gateway", "--port", str(self.port), "--upstream", self.upstream, "--db", db, "--confdir", str(self.confdir), "-v", *self.args]
+        # POLAR_MITM_STORE_PROCESS=1: every gateway the tests start runs its store in a process of its own
+        extra = ["--store-process"] if os.environ.get("POLAR_MITM_STORE_PROCESS") == "1" and "--store-process" not in self.args else []
+        command = [sys.executable, "-m", "polar_mitm.cli", "gateway", "--port", str(self.port), "--upstream", self.upstream, "--db", db, "--confdir", str(self.confdir), "-v", *self.args, *extra]
         self.process = subprocess.Popen(command, stdout=self.log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True, cwd=self.cwd)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
