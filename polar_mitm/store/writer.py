@@ -82,8 +82,6 @@ COMPACTION_BACKLOG = 2
 REOPEN_EVERY_S = 0.5
 
 
-
-
 @dataclass
 class _Pending:
     """One queued write: an exchange row, a statement from execute_write, or a step of the store itself."""
@@ -168,27 +166,23 @@ class Store(Compaction):
         """How many exchanges of the session were begun (each gets its row: committed, or still in flight)."""
         return self._seq.get(session_id, 0)
 
-    # -- writes
-    def seqs(self) -> dict[str, int]:
-        """Each session's last issued seq (a store in another process hands these to its gateway at start)."""
+    def seqs(self) -> dict[str, int]:  # each session's last issued seq: a store process hands them to its gateway
         return dict(self._seq)
 
+    # -- writes
     async def commit_exchange(self, row: ExchangeRow) -> None:
-        """Commit one exchange row; returns only once it is durable in DuckDB."""
-        # the row is converted in the writer thread, in bulk: the event loop only queues it
+        """Commit one exchange row; returns only once it is durable in DuckDB (the writer thread converts it).
+        submit_exchange and submit_mark queue one and call `done` from the writer thread: durable (None) or refused."""
         await self._written(lambda done: self.submit_exchange(row, done))
 
     async def commit_mark(self, exchange_id: str, status: str, error: str) -> None:
-        """Commit a later status for a committed exchange (schema.MARKS_TABLE: a reply that could not be
-        delivered); the `exchanges` view shows it instead of the row's own. Returns once it is durable."""
+        """Commit a later status for a committed exchange (MARKS_TABLE: an undelivered reply); returns once durable."""
         await self._written(lambda done: self.submit_mark(exchange_id, status, error, done))
 
     def submit_exchange(self, row: ExchangeRow, done: Callable[[BaseException | None], None]) -> None:
-        """Queue one exchange row; `done` is called from the writer thread once it is durable (None) or refused."""
         self._queue.put(_Pending(row=row, done=done))
 
     def submit_mark(self, exchange_id: str, status: str, error: str, done: Callable[[BaseException | None], None]) -> None:
-        """Queue a mark (commit_mark); `done` as for submit_exchange."""
         self._queue.put(_Pending(f"INSERT OR REPLACE INTO {MARKS_TABLE} VALUES (?, ?, ?, ?)", [exchange_id, status, error, now()], done=done))
 
     @staticmethod
@@ -200,7 +194,6 @@ class Store(Compaction):
         def settle(error: BaseException | None) -> None:
             if not future.done():
                 future.set_exception(error) if error is not None else future.set_result(None)
-
         submit(lambda error: loop.call_soon_threadsafe(settle, error))
         await future
 

@@ -39,7 +39,7 @@ def _values(tmp_path: Path) -> dict[str, Any]:
         "passthrough": ["*.example.org"], "engine_hook": f"{hook}:hook", "sql_port": free_port(),
         "render": "tokens", "render_model": str(tmp_path / "model"), "tool_parser": "qwen3_coder",
         "policy_version": 7, "control_token": "t0k", "keepalive_interval": 2.5,
-        "store_memory_mb": 300, "store_journal_mb": 16, "store_compact_slice_mb": 4, "lineage_mb": 48,
+        "store_memory_mb": 300, "store_journal_mb": 16, "store_compact_slice_mb": 4, "store_process": True, "lineage_mb": 48,
     }
 
 
