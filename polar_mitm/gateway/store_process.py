@@ -309,6 +309,10 @@ class StoreProcess:
                     said = str(error)
                     self.report(f"the store's process could not be started again ({' '.join(said.split())}); trying again every {RESTART_EVERY_S:g} s")
                 continue
+            if self._closing:  # the gateway stopped meanwhile: this child ends unused (nothing was sent to it)
+                child.sock.close()
+                child.process.wait(timeout=30)
+                return
             self._child = child
             for session_id, seq in child.seqs.items():  # issued here and never committed: not issued again
                 self._seq[session_id] = max(seq, self._seq.get(session_id, 0))

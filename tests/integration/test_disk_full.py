@@ -102,13 +102,21 @@ def test_a_full_disk_refuses_commits_says_so_once_and_loses_nothing_when_space_r
 async def _commit_through_a_full_disk(store: Store, disk: Path, leave: int) -> tuple[list[str], list[str]]:
     committed: list[str] = []
     refused: list[str] = []
+    last_refusal: list[str] = []
+
+    def state() -> str:  # what a failure below shows: why the last commit was refused, and what holds the disk
+        usage = os.statvfs(disk)
+        files = {path.name: path.stat().st_size for path in disk.rglob("*") if path.is_file()}
+        return (f"last refusal: {last_refusal}; store invalid: {store._invalid!r}; writer alive {store._writer.is_alive()}, compactor alive "
+                f"{store._compactor.is_alive()}; {usage.f_bavail * usage.f_frsize} bytes free; files {files}")
 
     async def commit() -> bool:
         row = exchange_row("disk", store.next_seq("disk"))
         try:
             await store.commit_exchange(row)
-        except Exception:  # noqa: BLE001 - a refused commit is what this test counts
+        except Exception as error:  # noqa: BLE001 - a refused commit is what this test counts
             refused.append(row["exchange_id"])
+            last_refusal[:] = [f"{type(error).__name__}: {error}"]
             return False
         committed.append(row["exchange_id"])
         return True
@@ -126,8 +134,8 @@ async def _commit_through_a_full_disk(store: Store, disk: Path, leave: int) -> t
     deadline = time.monotonic() + 90
     ok_after = 0
     while ok_after < 30:
-        assert ok_after or time.monotonic() < recovered, "the store did not write again within 15 s of space returning"
-        assert time.monotonic() < deadline, f"only {ok_after} of 30 commits landed within 90 s of space returning"
+        assert ok_after or time.monotonic() < recovered, f"the store did not write again within 15 s of space returning ({state()})"
+        assert time.monotonic() < deadline, f"only {ok_after} of 30 commits landed within 90 s of space returning ({state()})"
         if await commit():
             ok_after += 1
         else:
