@@ -46,6 +46,7 @@ import pyarrow as pa
 from polar_mitm.engines.base import TokenIds, WireJSON
 from polar_mitm.store import ExchangeRow, NodeSnapshot, control_file, live_holder
 from polar_mitm.store.reading import Rows
+from polar_mitm.store.session_counts import IssuedSeqs
 
 log = logging.getLogger("polar_mitm.gateway")
 
@@ -135,7 +136,7 @@ class StoreProcess:
         self._sql_port: int | None = None  # serve_sql's: a new child serves again on it
         self._outbox: queue.SimpleQueue[tuple[Any, bool] | None] = queue.SimpleQueue()
         self._child = self._start()
-        self._seq = dict(self._child.seqs)
+        self._seq = IssuedSeqs(self._child.seqs)
         # rows are pickled and sent on a thread of their own (the socket write releases the GIL); each child's
         # replies are read on a thread of its own and settle their waiters
         self._sender = threading.Thread(target=self._send_loop, name="polar-store-sender", daemon=True)
@@ -166,9 +167,7 @@ class StoreProcess:
 
     # -- sequencing, in this process's memory
     def next_seq(self, session_id: str) -> int:
-        seq = self._seq.get(session_id, 0) + 1
-        self._seq[session_id] = seq
-        return seq
+        return self._seq.next(session_id)
 
     def issued_seqs(self, session_id: str) -> int:
         return self._seq.get(session_id, 0)
@@ -314,8 +313,7 @@ class StoreProcess:
                 child.process.wait(timeout=30)
                 return
             self._child = child
-            for session_id, seq in child.seqs.items():  # issued here and never committed: not issued again
-                self._seq[session_id] = max(seq, self._seq.get(session_id, 0))
+            self._seq.raise_to(child.seqs)  # those issued here and never committed are not issued again
             with self._waiting_lock:
                 self._gone = None
             if self._sql_port is not None:

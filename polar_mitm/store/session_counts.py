@@ -121,3 +121,17 @@ class SessionCounters:
             return
         self.known.update(counts)
         self.pending = {}
+
+
+class IssuedSeqs(dict[str, int]):
+    """Each session's last issued exchange seq, kept in memory so the event loop never waits on DuckDB for one (the
+    writer's Store and a gateway's StoreProcess both issue them so)."""
+
+    def next(self, session_id: str) -> int:
+        seq = self[session_id] = self.get(session_id, 0) + 1
+        return seq
+
+    def raise_to(self, seqs: dict[str, int]) -> None:
+        """Never issue again a seq below these (a store process opened afresh: what it found committed)."""
+        for session_id, seq in seqs.items():
+            self[session_id] = max(seq, self.get(session_id, 0))

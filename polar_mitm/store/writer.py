@@ -24,7 +24,7 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
-from polar_mitm.store import sql_endpoint, views
+from polar_mitm.store import session_counts, sql_endpoint, views
 from polar_mitm.store.cache import SegmentCache
 from polar_mitm.store.compactor import Compaction
 from polar_mitm.store.records import (
@@ -137,7 +137,7 @@ class Store(Compaction):
             self.con.execute(RECOUNT_NEW_SESSIONS)
             self.con.execute(RECOUNT_SESSIONS)
         self.con.execute("INSERT OR REPLACE INTO meta VALUES ('closed_cleanly', 'false')")
-        self._seq: dict[str, int] = dict(self.con.execute("SELECT session_id, max(seq) FROM exchanges GROUP BY session_id").fetchall())
+        self._seq = session_counts.IssuedSeqs(self.con.execute("SELECT session_id, max(seq) FROM exchanges GROUP BY session_id").fetchall())
         self._journal_rows = self._journal_bytes = 0
         self._compacting: set[int] = set()  # journals queued for the compactor or being compacted
         self._compacted = threading.Event()  # set each time the compactor has written a segment or given up on one
@@ -158,9 +158,7 @@ class Store(Compaction):
 
     # -- sequencing: in memory, so the event loop never waits on DuckDB for it
     def next_seq(self, session_id: str) -> int:
-        seq = self._seq.get(session_id, 0) + 1
-        self._seq[session_id] = seq
-        return seq
+        return self._seq.next(session_id)
 
     def issued_seqs(self, session_id: str) -> int:
         """How many exchanges of the session were begun (each gets its row: committed, or still in flight)."""

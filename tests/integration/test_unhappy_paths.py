@@ -139,7 +139,17 @@ def test_a_call_the_client_abandons_is_aborted_on_the_engine_and_recorded_client
     [killed_at] = killed
     assert ports, f"the gateway never called the engine (socket samples took {[round(s, 2) for s in samples]} s)"
     [row] = wait_for_rows(gw, session_id, timeout=15)
-    assert row["status"] == "client_disconnected", row["error"]
+    # a reply the gateway had finished writing when the client died is marked by a second commit (the delivery
+    # check), a moment after its row: wait for it rather than read the row in between
+    deadline = time.monotonic() + 15
+    while row["status"] != "client_disconnected" and time.monotonic() < deadline:
+        time.sleep(0.3)
+        [row] = gw.exchanges(session_id)
+    assert row["status"] == "client_disconnected", (
+        f"{row['status']} ({row['error']}): killed {(killed_at - datetime.now(UTC)).total_seconds() + time.monotonic() - in_flight_at:.1f}s after the call was "
+        f"in flight, the engine call ended at {row['engine_ended_at']}, the row at {row['ended_at']}, the client killed at {killed_at}; "
+        f"{row['completion_token_ids'] and len(row['completion_token_ids'])} tokens; gateway log tail {gw.log.read_text()[-2000:]!r}"
+    )
     # recorded, and the engine call cancelled, as soon as the client was gone, not after the generation ran out
     assert (_time(row["ended_at"]) - killed_at).total_seconds() < 5
     assert (_time(row["engine_ended_at"]) - killed_at).total_seconds() < 5
