@@ -21,7 +21,6 @@ it and every later one with a store error, said in one line.
 
 from __future__ import annotations
 
-import asyncio
 import io
 import itertools
 import logging
@@ -44,7 +43,7 @@ from typing import Any
 import pyarrow as pa
 
 from polar_mitm.engines.base import TokenIds, WireJSON
-from polar_mitm.store import ExchangeRow, NodeSnapshot, control_file, live_holder
+from polar_mitm.store import ExchangeRow, NodeSnapshot, Store, control_file, live_holder
 from polar_mitm.store.reading import Rows
 from polar_mitm.store.session_counts import IssuedSeqs
 
@@ -223,15 +222,7 @@ class StoreProcess:
 
     # -- the wire
     async def _awaited(self, kind: str, args: tuple[Any, ...], rows: bool = False) -> None:
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[None] = loop.create_future()
-
-        def settle(error: BaseException | None, _result: Any) -> None:
-            if not future.done():
-                future.set_exception(error) if error is not None else future.set_result(None)
-
-        self._post(kind, args, lambda error, result: loop.call_soon_threadsafe(settle, error, result), rows)
-        await future
+        await Store.durable(lambda done: self._post(kind, args, lambda error, _result: done(error), rows))
 
     def _call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
         done = threading.Event()

@@ -171,11 +171,11 @@ class Store(Compaction):
     async def commit_exchange(self, row: ExchangeRow) -> None:
         """Commit one exchange row; returns only once it is durable in DuckDB (the writer thread converts it).
         submit_exchange and submit_mark queue one and call `done` from the writer thread: durable (None) or refused."""
-        await self._written(lambda done: self.submit_exchange(row, done))
+        await self.durable(lambda done: self.submit_exchange(row, done))
 
     async def commit_mark(self, exchange_id: str, status: str, error: str) -> None:
         """Commit a later status for a committed exchange (MARKS_TABLE: an undelivered reply); returns once durable."""
-        await self._written(lambda done: self.submit_mark(exchange_id, status, error, done))
+        await self.durable(lambda done: self.submit_mark(exchange_id, status, error, done))
 
     def submit_exchange(self, row: ExchangeRow, done: Callable[[BaseException | None], None]) -> None:
         self._queue.put(_Pending(row=row, done=done))
@@ -184,8 +184,8 @@ class Store(Compaction):
         self._queue.put(_Pending(f"INSERT OR REPLACE INTO {MARKS_TABLE} VALUES (?, ?, ?, ?)", [exchange_id, status, error, now()], done=done))
 
     @staticmethod
-    async def _written(submit: Callable[[Callable[[BaseException | None], None]], None]) -> None:
-        """Queue a write with `submit` and wait (on the event loop) until it is durable; raises its failure."""
+    async def durable(submit: Callable[[Callable[[BaseException | None], None]], None]) -> None:
+        """Queue a write with `submit` (its `done` called from any thread); wait on the event loop until durable."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
 
