@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import signal
 import socket
@@ -41,6 +42,13 @@ FULL = Plan(rounds=8, requests={1: 50, 8: 48, 32: 128}, batch_cap_s=20.0, throug
 
 
 # -- processes ---------------------------------------------------------------------------------------------
+
+
+def flags_and_env(tokens: list[str]) -> tuple[list[str], dict[str, str]]:
+    """A --set variant's FLAGS: command-line flags, and VAR=VALUE tokens as its environment (PYTHONPATH=DIR runs
+    another source tree's polar_mitm; LD_PRELOAD=... another allocator)."""
+    is_env = re.compile(r"[A-Z][A-Z0-9_]*=").match
+    return [token for token in tokens if not is_env(token)], dict(token.split("=", 1) for token in tokens if is_env(token))
 
 
 def raise_fd_limit() -> int:

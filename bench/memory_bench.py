@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import importlib.util
 import os
-import re
 import shutil
 import signal
 import ssl
@@ -42,6 +41,7 @@ from bench.common import (
     STUB_MODEL,
     Service,
     check_alive,
+    flags_and_env,
     free_port,
     load_requests,
     raise_fd_limit,
@@ -51,7 +51,6 @@ from bench.report import machine
 from polar_mitm import session
 
 CONFIGS: dict[str, list[str]] = {"bounded": []}
-ENV_TOKEN = re.compile(r"[A-Z][A-Z0-9_]*=")  # in --set FLAGS: an environment variable for that gateway
 
 
 def start(services: dict[str, Service], tmp: Path, delay_ms: float, names: list[str], extra: dict[str, list[str]], baseline: Path | None) -> None:
@@ -64,8 +63,7 @@ def start(services: dict[str, Service], tmp: Path, delay_ms: float, names: list[
     for name in names:
         port = free_port()
         db = tmp / f"{name}.duckdb"
-        flags = [token for token in extra[name] if not ENV_TOKEN.match(token)]
-        env = dict(token.split("=", 1) for token in extra[name] if ENV_TOKEN.match(token))
+        flags, env = flags_and_env(extra[name])
         command = [python, "-m", "polar_mitm.cli", "gateway", "--port", str(port), "--upstream", f"http://127.0.0.1:{stub_port}/v1", "--db", str(db),
                    "--confdir", str(confdir), "--engine-model", STUB_MODEL, "--require-auth", *flags]
         services[name] = Service(name, port, command, tmp / f"{name}.log", env=env, cwd=baseline if name == "before" and baseline else ROOT).start()

@@ -46,7 +46,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.client import Conn, Target  # noqa: E402
-from bench.common import ROOT, Service, check_alive, free_port, percentile, raise_fd_limit, stop_all  # noqa: E402
+from bench.common import ROOT, Service, check_alive, flags_and_env, free_port, percentile, raise_fd_limit, stop_all  # noqa: E402
 from bench.report import machine  # noqa: E402
 from bench.soak_client import API_KEYS, APIS, HOSTS, complete_success, read_body, read_head  # noqa: E402
 from bench.stub_upstream import CONTENT, TOOL_ARGUMENTS, TOOL_NAME  # noqa: E402
@@ -242,7 +242,8 @@ def main() -> int:
     parser.add_argument("--proxies", default="mitmproxy,gateway-chat,gateway-tokens")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=FLAGS",
                         help="a gateway variant to run beside the others: NAME starts with gateway-chat or gateway-tokens (its render mode), "
-                             "FLAGS are added to its command line, e.g. --set gateway-chat-sp=--store-process --proxies mitmproxy,gateway-chat,gateway-chat-sp")
+                             "FLAGS are added to its command line, e.g. --set gateway-chat-sp=--store-process --proxies mitmproxy,gateway-chat,gateway-chat-sp; "
+                             "VAR=VALUE among them is that gateway's environment (PYTHONPATH=DIR: another source tree's polar_mitm)")
     parser.add_argument("--out", type=Path, help="write JSON here and markdown beside it (.md)")
     parser.add_argument("--keep", action="store_true", help="keep the temporary folder (logs, stores); kept anyway when a level had errors")
     args = parser.parse_args()
@@ -280,10 +281,12 @@ def main() -> int:
                 print(f"  {name}: skipped, no model at {model_dir} (polar-mitm engine start builds it)", flush=True)
                 continue
             render = ["--render", "tokens", "--render-model", str(model_dir)] if tokens else ["--render", "chat"]
-            render += shlex.split(variants.get(name, ""))
+            flags, env = flags_and_env(shlex.split(variants.get(name, "")))
+            render += flags
             db = tmp / f"{name}.duckdb"
             services[name] = Service(name, port, [python, "-m", "polar_mitm.cli", "gateway", "--port", str(port), "--upstream", upstream, "--db", str(db), "--confdir", str(confdir),
-                                                  "--require-auth", "--keepalive-interval", "0.5", *render], tmp / f"{name}.log").start()
+                                                  "--require-auth", "--keepalive-interval", "0.5", *render], tmp / f"{name}.log", env=env,
+                                     cwd=Path(env["PYTHONPATH"]) if "PYTHONPATH" in env else None).start()  # `python -m` puts its working directory first on sys.path
             services[name].wait(120, ready=lambda db=db: (confdir / "mitmproxy-ca-cert.pem").exists() and Path(str(db) + ".control.json").exists())
         for name in wanted:
             if name in services:

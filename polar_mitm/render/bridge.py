@@ -46,24 +46,25 @@ TOOLS_CHANGED = "tools_changed"  # the same history, with other tools or templat
 TEMPLATE_MISMATCH = "template_mismatch"  # the template does not render the new messages as an append
 
 
-@dataclass
+@dataclass(slots=True)
 class Turn:
     """One answered exchange, as bridging needs it.
 
     Held compactly, since a session keeps one per turn: token ids as 4-byte arrays (a list holds a 28-byte int object
     and an 8-byte pointer per id); a bridged turn keeps only the prompt ids it adds to its parent's prompt and sampled
-    ids (`tail_ids`), and its history shares its parent's message objects (only the new messages and our answer are
-    its own), so a session's 30th turn holds what its 3rd does beyond its own tokens, not its whole prompt again."""
+    ids (`tail_ids`), so a session's 30th turn holds what its 3rd does beyond its own tokens, not its whole prompt
+    again. No message text is kept: a request that extends a turn carries that turn's messages itself (they are what
+    its key matched), and bridging renders them from there; a turn keeps one key per message, for finding and for
+    saying why a request was not bridged."""
 
     exchange_id: str
     prefix_key: str  # digest of its messages + our answer + tools/template kwargs
-    history: list[dict[str, Any]]  # its conversation (as the template sees it) + our answer, reasoning left out
-    keys: list[str]  # canonical key of each history message, for diagnosing a miss
+    keys: list[str]  # canonical key of each message of its conversation + our answer (message_key)
     setup_key: str
     tail_ids: array  # its prompt after the parent's prompt + sampled ids (no parent: the whole prompt)
     completion_ids: array
     parent: Turn | None = None  # the turn its prompt extends
-    nbytes: int = 0  # about what this turn holds of its own (ids, history pointers, its new messages' text)
+    nbytes: int = 0  # about what this turn holds of its own (_nbytes: its ids and keys)
 
     def prompt_ids(self) -> list[int]:
         """Its whole prompt: each ancestor's tail and sampled ids, then its own tail."""
@@ -90,12 +91,12 @@ class Bridged:
     # lists, rendered in worker threads and waiting for the event loop (bench/scale.py, tokens mode)
     prompt_ids: array
     tail_ids: array
-    parent: Turn | None = None  # the turn it extends; its history is the start of this one's
+    parent: Turn | None = None  # the turn it extends; its messages are the start of this one's
 
 
 # What the lineages of all sessions may hold together before the least recently used sessions are dropped (a dropped
-# session's next turn is looked up in the store by `bridge_key`, serve.py): about 100 sessions of 30 turns growing to
-# 20k tokens each.
+# session's next turn is looked up in the store by `bridge_key`, serve.py): about 2,000 sessions of 30 turns growing to
+# 20k tokens each (~100 KB a session: 4 bytes an id, a few hundred bytes a turn).
 MAX_LINEAGE_BYTES = 192 * 2**20
 
 
@@ -209,33 +210,35 @@ def make_turn(
     exchange_id: str, conversation: list[dict[str, Any]], answer: dict[str, Any], setup: str, prompt_ids: Sequence[int],
     completion_ids: Sequence[int], bridged: Bridged | None = None,
 ) -> Turn:
-    """The turn to remember for an answered exchange. When it was bridged, the history it shares with its parent
-    is the parent's (the same messages by `message_key`, which is what bridging matched), so only what follows is
-    made anew."""
+    """The turn to remember for an answered exchange. When it was bridged, the keys of the messages it shares with
+    its parent are the parent's (the same messages by `message_key`, which is what bridging matched), so only those
+    of what follows are made anew."""
     parent = bridged.parent if bridged is not None else None
-    shared = len(parent.history) if parent is not None else 0
-    own = [_without_reasoning(message) for message in [*conversation[shared:], answer]]
-    own_keys = [message_key(message) for message in own]
+    shared = len(parent.keys) if parent is not None else 0
+    own_keys = [message_key(message) for message in [*conversation[shared:], answer]]
     if parent is not None:
         assert bridged is not None
-        history, keys = [*parent.history, *own], [*parent.keys, *own_keys]
+        keys = [*parent.keys, *own_keys]
         tail = _ids(bridged.tail_ids)
     else:
-        history, keys = own, own_keys
+        keys = own_keys
         tail = _ids(prompt_ids)
     completion = _ids(completion_ids)
-    nbytes = 4 * (len(tail) + len(completion)) + 48 * len(history) + sum(_size(message) for message in own)
-    return Turn(exchange_id, _digest(setup, keys), history, keys, setup, tail, completion, parent, nbytes)
+    return Turn(exchange_id, _digest(setup, keys), keys, setup, tail, completion, parent, _nbytes(tail, completion, keys, len(own_keys)))
 
 
 def stored_turn(exchange_id: str, history: list[dict[str, Any]], setup: str, prompt_ids: list[int], completion_ids: list[int]) -> Turn:
-    """A turn read back from the store (its row's `bridge_key` matched): its history is the messages of the new
+    """A turn read back from the store (its row's `bridge_key` matched): `history` is the messages of the new
     request that the key covers, which are that turn's conversation and answer as the template sees them."""
-    own = [_without_reasoning(message) for message in history]
-    keys = [message_key(message) for message in own]
+    keys = [message_key(message) for message in history]
     prompt, completion = _ids(prompt_ids), _ids(completion_ids)
-    nbytes = 4 * (len(prompt) + len(completion)) + 48 * len(own) + sum(_size(message) for message in own)
-    return Turn(exchange_id, _digest(setup, keys), own, keys, setup, prompt, completion, None, nbytes)
+    return Turn(exchange_id, _digest(setup, keys), keys, setup, prompt, completion, None, _nbytes(prompt, completion, keys, len(keys)))
+
+
+def _nbytes(tail: array, completion: array, keys: list[str], own_keys: int) -> int:
+    """About what a turn holds of its own: itself and its two arrays and list (~250 bytes), its ids, a pointer per
+    key and the keys it made (a 32-character str is 73 bytes; the ones it shares are its parent's objects)."""
+    return 250 + 4 * (len(tail) + len(completion)) + 8 * len(keys) + 73 * own_keys
 
 
 def _ids(values: Sequence[int]) -> array:
@@ -244,16 +247,10 @@ def _ids(values: Sequence[int]) -> array:
     return values if isinstance(values, array) and values.typecode == "I" else array("I", values)
 
 
-def _size(message: dict[str, Any]) -> int:
-    """About the bytes a message's text takes (a str's characters; other content by its JSON)."""
-    content = message.get("content")
-    text = len(content) if isinstance(content, str) else len(orjson.dumps(content)) if content else 0
-    return text + (len(orjson.dumps(message["tool_calls"])) if message.get("tool_calls") else 0)
-
-
 def bridge(renderer: Renderer, parent: Turn, conversation: list[dict[str, Any]], covered: int, tools: Any, kwargs: dict[str, Any]) -> Bridged | None:
-    """The bridged prompt, or None if the template does not render the new messages as an append."""
-    history = parent.history
+    """The bridged prompt, or None if the template does not render the new messages as an append. `covered`: how
+    many of the conversation's messages are the parent's (its conversation and our answer, as `find` matched them)."""
+    history = [_without_reasoning(message) for message in conversation[:covered]]
     new = [_without_reasoning(message) for message in conversation[covered:]]
     head = renderer.render_text(history, tools, kwargs, add_generation_prompt=False)
     full = renderer.render_text(history + new, tools, kwargs, add_generation_prompt=True)

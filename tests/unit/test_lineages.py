@@ -26,7 +26,7 @@ def grow(lineages: bridge.Lineages, session: str, turns: int, size: int = 1000) 
         parent, covered, reason = lineages.find(session, messages, SETUP)
         bridged = None
         if parent is not None:
-            assert covered == len(parent.history) and reason is None
+            assert covered == len(parent.keys) and reason is None
             tail = array("I", [7])
             bridged = bridge.Bridged(prompt_ids=parent.prompt_array() + parent.completion_ids + tail, tail_ids=tail, parent=parent)
         else:
@@ -38,30 +38,30 @@ def grow(lineages: bridge.Lineages, session: str, turns: int, size: int = 1000) 
     return made
 
 
-def test_a_bridged_turn_shares_its_parents_history_and_counts_only_its_own_messages() -> None:
+def test_a_bridged_turn_shares_its_parents_keys_and_counts_only_its_own() -> None:
     lineages = bridge.Lineages()
     turns = grow(lineages, "s", 30)
     last, before = turns[-1], turns[-2]
-    assert all(a is b for a, b in zip(last.history, before.history, strict=False))  # the same objects, not copies
-    assert last.keys[: len(before.keys)] == before.keys
+    assert all(a is b for a, b in zip(last.keys, before.keys, strict=False)) and len(last.keys) == len(before.keys) + 2  # the same objects, not copies
+    assert not hasattr(last, "history") and not hasattr(last, "__dict__")  # no message text, no per-turn dict
     # its prompt is its parent's prompt and sampled ids, then its own tail: only the tail is its own
     assert last.parent is before and last.tail_ids.itemsize == 4 and last.tail_ids.tolist() == [7]
     assert last.prompt_ids() == [*before.prompt_ids(), *before.completion_ids, 7] and last.prompt_ids()[:3] == [1, 2, 3]
     assert len(last.prompt_ids()) == 3 + 29 * 11
     # the same ids joined as 4-byte ones (what bridging sends on), no Python int made for each
     assert last.prompt_array().itemsize == 4 and last.prompt_array().tolist() == last.prompt_ids()
-    # the 30th turn holds what the 3rd does beyond its own tokens: one tool result, one answer, pointers, its own ids
-    own_text = [t.nbytes - 4 * (len(t.tail_ids) + len(t.completion_ids)) - 48 * len(t.history) for t in turns[2:]]
-    assert max(own_text) - min(own_text) <= 2 and max(own_text) < 1100, own_text
+    # the 30th turn holds what the 3rd does beyond its own tokens and a pointer per message: the two keys it made
+    own = [t.nbytes - 4 * (len(t.tail_ids) + len(t.completion_ids)) - 8 * len(t.keys) for t in turns[2:]]
+    assert set(own) == {250 + 2 * 73}, own
     assert {4 * (len(t.tail_ids) + len(t.completion_ids)) for t in turns[1:]} == {44}
     assert lineages.nbytes == sum(t.nbytes for t in turns)
 
 
 def test_the_byte_budget_drops_the_least_recently_used_sessions() -> None:
-    lineages = bridge.Lineages(max_bytes=200_000)
+    lineages = bridge.Lineages(max_bytes=40_000)  # ~4 KB a session of 8 turns: about 10 of the 40 fit
     for n in range(40):
         grow(lineages, f"s{n}", 8, size=2000)
-        assert lineages.nbytes <= 200_000 or len(lineages.sessions) == 1
+        assert lineages.nbytes <= 40_000 or len(lineages.sessions) == 1
     assert "s39" in lineages.sessions and "s0" not in lineages.sessions
     assert lineages.nbytes == sum(t.nbytes for turns in lineages.sessions.values() for t in turns.values()) == sum(lineages.session_bytes.values())
     # a dropped session's next turn is rendered in full, and says why
