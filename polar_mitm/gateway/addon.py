@@ -37,7 +37,7 @@ from polar_mitm.gateway import flows, options
 from polar_mitm.gateway.control import PolicyControl
 from polar_mitm.gateway.delivery import Deliveries
 from polar_mitm.gateway.engine_side import EngineHook, EngineSide, unstreamed_timeout
-from polar_mitm.gateway.outcome import CommitFailed, Outcome, outcome_of, settle
+from polar_mitm.gateway.outcome import CommitFailed, Outcome, forget_tracebacks, outcome_of, settle
 from polar_mitm.gateway.startup import open_when_readers_leave, why_not_opened
 from polar_mitm.gateway.store_process import StoreProcess
 from polar_mitm.gateway.streaming import LoopbackStreams, StreamedReply
@@ -441,11 +441,12 @@ class PolarAddon:
         flow.response = http.Response.make(reply.status, reply.body, flows.reply_headers(reply.content_type, row, dialect))
 
     def _outcome(self, failure: Exception | None, flow: http.HTTPFlow) -> Outcome:
-        """outcome_of for this flow; a bug of ours and a refused commit are logged with their traceback."""
+        """outcome_of for this flow; a bug of ours is logged with its traceback, then every failure's is dropped."""
         if isinstance(failure, CommitFailed):
             pass  # the store said so, once for the whole episode (its report)
         elif failure is not None and not isinstance(failure, PolarError):
             log.error("polar: internal error", exc_info=failure)
+        forget_tracebacks(failure)
         return outcome_of(failure, self.deliveries.gone(flow))
 
     async def _while_client_waits(self, flow: http.HTTPFlow, call: Awaitable[T]) -> T:

@@ -97,6 +97,18 @@ def outcome_of(failure: BaseException | None, client_gone: str | None = None) ->
     return Outcome("internal_error", described, DialectError(500, "internal_error", f"polar-mitm internal error: {described}"))
 
 
+def forget_tracebacks(failure: BaseException | None) -> None:
+    """Drop the tracebacks of a failure whose outcome is decided (and, for a bug, logged), and of the exceptions it
+    chains. A failure held in a local of a frame its traceback holds is a reference cycle (so is an engine call's
+    task that holds its exception), and the cycle kept the frames, and with them the flow, the request's body and
+    the engine's reply, until the cyclic collector came by: ~100 frames of failed calls per 40 s in the soak."""
+    seen: set[int] = set()
+    while failure is not None and id(failure) not in seen:
+        seen.add(id(failure))
+        failure.__traceback__ = None
+        failure = failure.__cause__ or failure.__context__
+
+
 def settle(
     row: ExchangeRow, record: EngineRecord, outcome: Outcome, *, http_status: int, response_body: Any,
     response_stream: str | None, ended_at: datetime,
