@@ -250,10 +250,9 @@ def _ids(values: Sequence[int]) -> array:
 def bridge(renderer: Renderer, parent: Turn, conversation: list[dict[str, Any]], covered: int, tools: Any, kwargs: dict[str, Any]) -> Bridged | None:
     """The bridged prompt, or None if the template does not render the new messages as an append. `covered`: how
     many of the conversation's messages are the parent's (its conversation and our answer, as `find` matched them)."""
-    history = [_without_reasoning(message) for message in conversation[:covered]]
-    new = [_without_reasoning(message) for message in conversation[covered:]]
-    head = renderer.render_text(history, tools, kwargs, add_generation_prompt=False)
-    full = renderer.render_text(history + new, tools, kwargs, add_generation_prompt=True)
+    messages = [_without_reasoning(message) for message in conversation]
+    head = renderer.render_text(messages[:covered], tools, kwargs, add_generation_prompt=False)
+    full = renderer.render_text(messages, tools, kwargs, add_generation_prompt=True)
     end_of_turn = head.rfind(renderer.eos_token) if renderer.eos_token else -1
     if not full.startswith(head) or end_of_turn < 0 or head[end_of_turn + len(renderer.eos_token) :].strip():
         return None
