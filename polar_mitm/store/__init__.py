@@ -3,13 +3,14 @@
 Modules, bottom up (each imports only those above it in this list, and nothing of polar_mitm outside the store):
     schema     the contract: exchange and session columns, ExchangeRow, MATERIAL, the trajectories schema
     records    journal records: how a row is written into a journal table and read back typed
+    commit_log the commit log beside the file: where a commit is durable before its row is in the file
     segments   segments (typed rows in the store file, exported to Parquet for snapshots), the `exchanges` view
                over journals and segments, compaction steps, migration, connect()
     sql_endpoint  the loopback read-only SQL endpoint a gateway serves, and its control file
-    by_path    query() / query_dicts(): read a store by its path from any process (directly, or through its gateway)
     views      the documented SQL views (session_timeline, token_usage, breaks, ...)
     snapshots  the store as Parquet files at one instant (NodeSnapshot), and how another machine reads or pulls them
     writer     Store: the single writer of one file (writer thread, group commits, compactor)
+    by_path    query() / query_dicts(): read a store by its path from any process (directly, or through its gateway)
     reading    StoreReader / SnapshotSource, the read interface everything above the store takes; ClosedStore
                (a file nobody writes), StorePath (a store by its path, from any process)
     union      UnionStore / write_catalog: several stores' snapshots read as one
@@ -18,7 +19,8 @@ Every name below is importable from `polar_mitm.store` as before the split.
 """
 
 from polar_mitm.store import views
-from polar_mitm.store.by_path import live_holder, query, query_dicts
+from polar_mitm.store.by_path import live_holder, query, query_dicts, recover
+from polar_mitm.store.commit_log import commit_log_path
 from polar_mitm.store.reading import (
     ClosedStore,
     ExchangeStore,
@@ -122,6 +124,8 @@ __all__ = [
     "ensure_schema",
     "exchanges_view_sql",
     "journal_records",
+    "commit_log_path",
+    "recover",
     "journal_source",
     "journal_table",
     "live_holder",

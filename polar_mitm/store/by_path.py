@@ -3,21 +3,47 @@ store takes from other processes.
 
 When a gateway holds the store (its control file names a live process), the SQL goes to the gateway's loopback
 endpoint, checked read-only here first; otherwise the file is opened read-only directly (segments.connect: from
-any working directory).
+any working directory), once `recover` has put back what a crashed writer left in its commit log.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import duckdb
 
+from polar_mitm.store.commit_log import commit_log_path
 from polar_mitm.store.segments import connect
 from polar_mitm.store.sql_endpoint import check_read_only, control_file
+from polar_mitm.store.writer import Store, open_stores
+
+log = logging.getLogger("polar_mitm.store")
+_recovering = threading.Lock()
+
+
+def recover(db_path: str | os.PathLike[str]) -> None:
+    """A store whose writer died (a SIGKILL, a lost node) may hold its last commits (up to one move's worth:
+    commit_log.MOVE_ROWS) in its commit log only, not yet in the file a bare DuckDB client reads. Open it as its
+    writer once, which puts them back, and close it. Nothing to do (and nothing done) when there is no such log, or
+    a Store of this process or another process holds the file (then the log is that writer's)."""
+    path = Path(db_path)
+    log_path = commit_log_path(path)
+    with _recovering:
+        try:
+            if not log_path.stat().st_size or path.resolve() in open_stores or live_holder(path):
+                return
+        except FileNotFoundError:
+            return
+        try:
+            Store(path).close()
+        except (duckdb.Error, OSError) as error:  # another process writes it, or it cannot be written here: read what the file holds
+            log.warning(f"polar-mitm: {path} has committed exchanges in {log_path.name} that could not be put back now ({error}); reads miss them until its next writer opens it")
 
 
 def live_holder(db_path: str | os.PathLike[str]) -> dict[str, Any] | None:
@@ -65,6 +91,7 @@ def query(db_path: str | os.PathLike[str], sql: str, params: list[Any] | None = 
         return payload["columns"], payload["rows"]
     if not path.exists():
         raise FileNotFoundError(f"no store at {path}")
+    recover(path)
     deadline = time.monotonic() + timeout
     while True:
         try:

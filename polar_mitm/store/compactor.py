@@ -22,6 +22,10 @@ from polar_mitm.store.trouble import WriteTrouble, invalidates
 
 log = logging.getLogger("polar_mitm.store")
 
+# journals waiting for the compactor (one being compacted, one queued) before the writer waits for it: a compactor
+# that falls behind (it yields to the proxy) would otherwise hold every full journal in memory
+COMPACTION_BACKLOG = 2
+
 
 class Compaction:
     """The compactor's part of Store (a mixin: the attributes below are Store's)."""
@@ -40,6 +44,34 @@ class Compaction:
     compaction_trouble: WriteTrouble
     _cache: SegmentCache
     _pending: Callable[..., Any]  # the writer's queued-step type
+    segment_rows: int
+    journal_bytes_max: int
+    _journal_rows: int
+    _journal_bytes: int
+    _compactor: threading.Thread
+    _rotate: Callable[[duckdb.DuckDBPyConnection], int | None]
+
+    def _journal_full(self, con: duckdb.DuckDBPyConnection) -> None:
+        """A journal holding `segment_rows` rows (or `journal_mb`) goes to the compactor, and a new one is begun."""
+        if not (self._journal_rows >= self.segment_rows or (self.journal_bytes_max and self._journal_bytes >= self.journal_bytes_max)):
+            return
+        try:
+            full_bytes = self._journal_bytes
+            full = self._rotate(con)
+        except Exception as error:  # noqa: BLE001 - keep journaling into the current table; retried after the next batch
+            self._trouble("starting a new journal", error)
+            return
+        if full is not None:
+            self._queue_compaction(full, full_bytes)
+        self._queue_uncompacted()
+
+    def _keep_up(self) -> None:
+        """Between batches (never inside a move: the compactor's install step would wait for it)."""
+        if len(self._compacting) > COMPACTION_BACKLOG and self._compactor.is_alive():
+            # backpressure: commits wait (a few ms) rather than full journals piling up in memory
+            self._compacted.clear()
+            if not self._handed:  # else a step of the compactor's is queued: the loop runs it next
+                self._compacted.wait(timeout=5)
 
     def _queue_compaction(self, number: int, journal_bytes: int | None = None) -> None:
         self._compacting.add(number)

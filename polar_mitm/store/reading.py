@@ -25,6 +25,7 @@ import duckdb
 import pyarrow as pa
 
 from polar_mitm.store.by_path import query as query_path
+from polar_mitm.store.by_path import recover
 from polar_mitm.store.schema import ExchangeRow
 from polar_mitm.store.segments import connect, fetch, fetch_arrow
 from polar_mitm.store.snapshots import NodeSnapshot, snapshot_dir, snapshot_store
@@ -104,6 +105,7 @@ class ClosedStore:
 
     def __init__(self, db_path: str | os.PathLike[str]):
         self.path = Path(db_path)
+        recover(self.path)
         self._con = connect(self.path, read_only=True)
 
     def query(self, sql: str, params: list[Any] | None = None) -> tuple[list[str], list[tuple[Any, ...]]]:
@@ -145,6 +147,7 @@ class StorePath:
 
     def arrow(self, sql: str, params: list[Any] | None = None) -> pa.Table:
         try:
+            recover(self.path)
             con = connect(self.path, read_only=True)
         except (duckdb.IOException, duckdb.ConnectionException):  # a writer (a gateway) holds the file, or it is not there yet
             columns, rows = self.query(sql, params)

@@ -234,39 +234,44 @@ def journal_records(row: Mapping[str, Any]) -> tuple[bytes, bytes, list[str | by
     return _dumps(head), _dumps(body), texts
 
 
+# a row as its journal stores it: exchange_id, session_id, seq, status, head, body, then TEXT_FIELDS as UTF-8
+JournalRecord = tuple[Any, ...]
+
+
+def journal_record(row: Mapping[str, Any]) -> JournalRecord:
+    """A row as the journal's columns hold it (JOURNAL_COLUMNS' order), texts encoded: what the commit log keeps
+    and an INSERT takes. Raises (UnicodeEncodeError) for ids that are not text, before the row is committed."""
+    head, body, texts = journal_records(row)
+    exchange_id, session_id = str(row["exchange_id"]), str(row["session_id"])
+    exchange_id.encode(), session_id.encode()
+    return (exchange_id, session_id, int(row["seq"]), str(row["status"]), head, body, *map(_utf8, texts))
+
+
+def record_bytes(record: JournalRecord) -> int:
+    """What a record counts toward its journal's size: its head, body and texts."""
+    return sum(len(value) for value in record[4:] if value is not None)
+
+
 def insert_journal_rows(con: duckdb.DuckDBPyConnection, rows: Sequence[Mapping[str, Any]], table: str) -> int:
     """Insert exchange rows into a journal table: one statement, however many rows. Returns their records' and
-    texts' bytes (their characters, for the texts: what a journal's size is counted in)."""
-    if not rows:
+    texts' bytes (what a journal's size is counted in)."""
+    return insert_journal_records(con, [journal_record(row) for row in rows], table)
+
+
+def insert_journal_records(con: duckdb.DuckDBPyConnection, records: Sequence[JournalRecord], table: str) -> int:
+    """Insert journal records (journal_record) into a journal table in one statement; returns their bytes."""
+    if not records:
         return 0
-    records = [journal_records(row) for row in rows]
-    if len(rows) == 1:
-        row, (head, body, texts) = rows[0], records[0]
-        con.execute(f"INSERT INTO {table} VALUES ({', '.join('?' * (6 + len(texts)))})", [row["exchange_id"], row["session_id"], row["seq"], row["status"], head, body, *map(_utf8, texts)])
+    if len(records) == 1:
+        con.execute(f"INSERT INTO {table} VALUES ({', '.join('?' * len(JOURNAL_COLUMNS))})", list(records[0]))
     else:
         # DuckDB reads the Arrow table by its variable name (a replacement scan: cheaper than register())
-        polar_pending_exchanges = _arrow_rows(rows, records)  # noqa: F841 - read by DuckDB
+        polar_pending_exchanges = pa.table(  # noqa: F841 - read by DuckDB
+            [pa.array([record[index] for record in records], type=JOURNAL_ARROW_SCHEMA.field(index).type) for index in range(len(JOURNAL_COLUMNS))],
+            schema=JOURNAL_ARROW_SCHEMA,
+        )
         con.execute(f"INSERT INTO {table} SELECT * FROM polar_pending_exchanges")
-    return sum(len(head) + len(body) + sum(len(text) for text in texts if text) for head, body, texts in records)
-
-
-def _arrow_rows(rows: Sequence[Mapping[str, Any]], records: list[tuple[bytes, bytes, list[str | bytes | None]]]) -> pa.Table:
-    columns: dict[str, Any] = {
-        "exchange_id": [row["exchange_id"] for row in rows],
-        "session_id": [row["session_id"] for row in rows],
-        "seq": [row["seq"] for row in rows],
-        "status": [row["status"] for row in rows],
-        # orjson's output: UTF-8 by construction, so no validation on the way in
-        "head": pa.array([head for head, _, _ in records], pa.binary()),
-        "body": pa.array([body for _, body, _ in records], pa.binary()),
-    }
-    for index, name in enumerate(TEXT_FIELDS):
-        texts = [record[2][index] for record in records]
-        try:
-            columns[name] = pa.array(texts, pa.binary())
-        except UnicodeEncodeError:  # a lone surrogate: stored with "?" in its place, as a single row's would be
-            columns[name] = pa.array([_utf8(text) for text in texts], pa.binary())
-    return pa.table(columns, schema=JOURNAL_ARROW_SCHEMA)
+    return sum(record_bytes(record) for record in records)
 
 
 def _text(value: Any) -> str | bytes:

@@ -5,7 +5,6 @@ short."""
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -18,11 +17,10 @@ from polar_mitm.store.segments import transaction
 
 SESSION_ARROW_SCHEMA = pa.schema([(name, ARROW_TYPES[base_type(SESSION_COLUMNS[name])]) for name in ("session_id", "created_at", "last_seen_at", "n_exchanges", "harness")])
 
-# counters are flushed at most this often (and before every read of `sessions`, so a reader still sees every
-# committed exchange counted): a flush is an UPDATE of `sessions` by its primary key, which cost the writer as much as
-# the journal inserts when it followed every commit (bench/scale.py at 64 sessions, py-spy: 12.5% vs 11.4% of the
-# gateway's samples)
-SESSION_FLUSH_S = 0.25
+# counters are flushed with the commit log's moves (polar_mitm.store.commit_log) and before every read of `sessions`,
+# so a reader still sees every committed exchange counted: a flush is an UPDATE of `sessions` by its primary key, which
+# cost the writer as much as the journal inserts when it followed every commit (bench/scale.py at 64 sessions, py-spy:
+# 12.5% vs 11.4% of the gateway's samples)
 # the SQL that may read `sessions`: the table, or one of the store's views over it
 READS_SESSIONS = re.compile(
     r"\b(" + "|".join(["sessions", *(name for name, view in views.VIEWS.items() if re.search(r"\bsessions\b", view.sql))]) + r")\b", re.IGNORECASE
@@ -92,14 +90,9 @@ class SessionCounters:
     def __init__(self, known: set[str]) -> None:
         self.known = known  # the sessions that have a row
         self.pending: dict[str, dict[str, Any]] = {}
-        self.flushed_at = 0.0  # time.monotonic() of the last flush
 
     def add(self, rows: Sequence[Mapping[str, Any]]) -> None:
         count_sessions(self.pending, rows)
-
-    def due(self) -> float:
-        """When the next flush is due (time.monotonic())."""
-        return self.flushed_at + SESSION_FLUSH_S
 
     def flush(self, con: duckdb.DuckDBPyConnection, trouble: Callable[[str, BaseException], None]) -> None:
         """Count the pending exchanges into `sessions`, in a transaction of their own: kept out of the exchange's
@@ -108,7 +101,6 @@ class SessionCounters:
         the next flush."""
         if not self.pending:
             return
-        self.flushed_at = time.monotonic()
         counts = self.pending
         try:
             if len(counts) == 1 and self.known.issuperset(counts):

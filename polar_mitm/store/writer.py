@@ -1,8 +1,9 @@
 """The writer: one Store per DuckDB file, the file's single writer, committing each exchange before its reply.
 
 DuckDB allows one writing process per file. The gateway owns the file while it runs: a single writer
-thread does group commits (the event loop never touches DuckDB), a compactor thread turns full journals into
-segment tables (see polar_mitm.store.segments), and read-only SQL from other processes is answered by the
+thread does group commits into the commit log and moves them into journal tables (polar_mitm.store.commit_log; the
+event loop never touches DuckDB), a compactor thread turns full journals into segment tables (see
+polar_mitm.store.segments), and read-only SQL from other processes is answered by the
 gateway itself over a loopback control endpoint named in `<db>.control.json` (polar_mitm.store.sql_endpoint).
 """
 
@@ -26,6 +27,7 @@ import pyarrow as pa
 
 from polar_mitm.store import session_counts, sql_endpoint, views
 from polar_mitm.store.cache import SegmentCache
+from polar_mitm.store.commit_log import CommitLog, LoggedCommits, commit_log_path
 from polar_mitm.store.compactor import Compaction
 from polar_mitm.store.records import (
     JOURNAL_COLUMNS,
@@ -65,6 +67,7 @@ from polar_mitm.store.snapshots import NodeSnapshot, snapshot_dir, snapshot_stor
 from polar_mitm.store.trouble import WriteTrouble, invalidates, one_line
 
 log = logging.getLogger("polar_mitm.store")
+open_stores: set[Path] = set()  # the files a Store of this process holds (by_path.recover leaves their logs alone)
 
 # the memory bounds (polar_mitm/gateway/options.py: store_memory_mb, store_journal_mb, store_compact_slice_mb, with
 # these defaults): DuckDB's memory limit (0: DuckDB's own, 80% of RAM) is a backstop, well above what the other two
@@ -74,9 +77,6 @@ log = logging.getLogger("polar_mitm.store")
 MEMORY_MB = 512
 JOURNAL_MB = 32
 COMPACT_SLICE_MB = 8
-# journals waiting for the compactor (one being compacted, one queued) before the writer waits for it: a compactor
-# that falls behind (it yields to the proxy) would otherwise hold every full journal in memory
-COMPACTION_BACKLOG = 2
 # after DuckDB invalidated the database (a write that failed mid-checkpoint: a full disk), how often the writer
 # tries to open the file again; commits meanwhile are refused at once
 REOPEN_EVERY_S = 0.5
@@ -93,7 +93,7 @@ class _Pending:
     step: Callable[[duckdb.DuckDBPyConnection], None] | None = None  # runs alone, in its own transaction
 
 
-class Store(Compaction):
+class Store(Compaction, LoggedCommits):
     """The single writer of one DuckDB file; safe to use from an asyncio event loop."""
 
     def __init__(
@@ -131,14 +131,16 @@ class Store(Compaction):
         self._rotate(self.con)
         for number in leftovers:
             self._compact(self.con, number)
+        self._log = CommitLog(commit_log_path(self.path))
+        recovered = self._recover(self._log.read())  # counted into `sessions` by the recount below
+        self._moving, self._moving_bytes, self._move_failed = [], 0, None
         self.con.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
         views.create_views(self.con)  # after the tables and the exchanges view they select from
-        if self.con.execute("SELECT value FROM meta WHERE key = 'closed_cleanly'").fetchall() != [("true",)]:
+        if recovered or self.con.execute("SELECT value FROM meta WHERE key = 'closed_cleanly'").fetchall() != [("true",)]:
             self.con.execute(RECOUNT_NEW_SESSIONS)
             self.con.execute(RECOUNT_SESSIONS)
         self.con.execute("INSERT OR REPLACE INTO meta VALUES ('closed_cleanly', 'false')")
         self._seq = session_counts.IssuedSeqs(self.con.execute("SELECT session_id, max(seq) FROM exchanges GROUP BY session_id").fetchall())
-        self._journal_rows = self._journal_bytes = 0
         self._compacting: set[int] = set()  # journals queued for the compactor or being compacted
         self._compacted = threading.Event()  # set each time the compactor has written a segment or given up on one
         self._handed, self._handing = 0, threading.Lock()  # steps the compactor handed the writer (Compaction._to_writer)
@@ -155,6 +157,7 @@ class Store(Compaction):
         self._compactor.start()
         self._control: ThreadingHTTPServer | None = None
         self.commits = 0
+        open_stores.add(self.path.resolve())
 
     # -- sequencing: in memory, so the event loop never waits on DuckDB for it
     def next_seq(self, session_id: str) -> int:
@@ -243,18 +246,21 @@ class Store(Compaction):
         con, appends = self._writer_cursors()
         while True:
             try:
-                # session counters wait for a quiet moment (flushing right away held the GIL just as the event loop
-                # was woken to send the reply), and for SESSION_FLUSH_S since the last flush
-                first = self._queue.get(timeout=max(0.005, self._counters.due() - time.monotonic()) if self._counters.pending else None)
+                # the commit log's records and the session counters wait for a quiet second, or a move's worth
+                # (polar_mitm.store.commit_log): flushing right away held the GIL just as the event loop was woken
+                # to send the reply
+                first = self._queue.get(timeout=self._quiet_after())
             except queue.Empty:
                 if self._invalid is not None:
                     if not self._reopen():
                         continue
                     con, appends = self._writer_cursors()
-                self._counters.flush(con, self._trouble)
+                self._settle(appends)
+                self._journal_full(con)
+                self._keep_up()
                 continue
             if first is None:
-                self._counters.flush(con, self._trouble)
+                self._settle(appends)
                 return
             if self._invalid is not None:
                 if not self._reopen():
@@ -263,6 +269,8 @@ class Store(Compaction):
                 con, appends = self._writer_cursors()
             if first.step is not None:
                 self._run_step(con, first)
+                self._journal_full(con)
+                self._keep_up()
                 continue
             batch, step = [first], None
             while len(batch) < self._batch_max:
@@ -280,24 +288,8 @@ class Store(Compaction):
             self._commit_batch(con, appends, batch)
             if step is not None:
                 self._run_step(con, step)
-            # under load the queue is never quiet: the counters follow the replies every SESSION_FLUSH_S
-            if self._counters.pending and time.monotonic() >= self._counters.due():
-                self._counters.flush(con, self._trouble)
-            if self._journal_rows >= self.segment_rows or (self.journal_bytes_max and self._journal_bytes >= self.journal_bytes_max):
-                try:
-                    full_bytes = self._journal_bytes
-                    full = self._rotate(con)
-                except Exception as error:  # noqa: BLE001 - keep journaling into the current table; retried after the next batch
-                    self._trouble("starting a new journal", error)
-                    continue
-                if full is not None:
-                    self._queue_compaction(full, full_bytes)
-                self._queue_uncompacted()
-                if len(self._compacting) > COMPACTION_BACKLOG and self._compactor.is_alive():
-                    # backpressure: commits wait (a few ms) rather than full journals piling up in memory
-                    self._compacted.clear()
-                    if not self._handed:  # else a step of the compactor's is queued: the loop runs it next
-                        self._compacted.wait(timeout=5)
+            self._journal_full(con)
+            self._keep_up()
 
     def _refuse(self, item: _Pending) -> None:
         """Answer a queued write with the store's failure, without trying it (the file is being reopened)."""
@@ -323,7 +315,7 @@ class Store(Compaction):
             self._next_number = max(next_segment(con), max(self._journals, default=0) + 1)
             self._rotate(con)
         except Exception as error:  # noqa: BLE001 - still cannot write; tried again in REOPEN_EVERY_S
-            self._invalid = error
+            self._invalid = error.with_traceback(None)
             return False
         self._invalid = None
         self._compacting.clear()  # the compactor skips what it was given before and is not a journal any more
@@ -333,7 +325,9 @@ class Store(Compaction):
     def _trouble(self, doing: str, error: BaseException, refused: int = 0, compaction: bool = False) -> None:
         """A write failed: said once per episode (polar_mitm.store.trouble), not once per refused commit."""
         if invalidates(error):
-            self._invalid = error  # DuckDB refuses every write from now on: reopened before the next one
+            # DuckDB refuses every write from now on: reopened before the next one. Kept without its traceback, whose
+            # frames would hold cursors (and so the invalidated database) that the reopen must let go of
+            self._invalid = error.with_traceback(None)
         (self.compaction_trouble if compaction else self.trouble).failed(doing, error, refused)
 
     def _run_step(self, con: duckdb.DuckDBPyConnection, item: _Pending) -> None:
@@ -342,7 +336,7 @@ class Store(Compaction):
             item.step(con)
         except Exception as error:  # noqa: BLE001 - reported to the waiting caller
             if invalidates(error):
-                self._invalid = error
+                self._invalid = error.with_traceback(None)
             if item.done:
                 item.done(error)
             return
@@ -350,13 +344,18 @@ class Store(Compaction):
             item.done(None)
 
     def _commit_batch(self, con: duckdb.DuckDBPyConnection, appends: duckdb.DuckDBPyConnection, batch: list[_Pending]) -> None:
+        if all(item.row is not None for item in batch):
+            self._commit_rows(appends, batch)
+            return
+        # statements see every exchange committed before them, and run with this batch's rows in one transaction
+        if not self._move(appends):
+            for item in batch:
+                if item.done:
+                    item.done(self._move_failed)
+            return
         try:
-            if all(item.row is not None for item in batch):
-                # one INSERT is its own transaction: no BEGIN/COMMIT statements to pay for (~0.5 ms at one row)
-                written = insert_journal_rows(appends, [item.row for item in batch], journal_table(self._journals[-1]))  # type: ignore[misc]
-            else:
-                with transaction(con):
-                    written = self._apply(con, batch)
+            with transaction(con):
+                self._apply(con, batch)
             self.commits += 1
         except Exception:
             # one bad row must not fail its neighbours: retry each alone (unless DuckDB refuses every write now)
@@ -366,30 +365,28 @@ class Store(Compaction):
                     continue
                 try:
                     with transaction(con):
-                        written = self._apply(con, [item])
+                        self._apply(con, [item])
                 except Exception as error:  # noqa: BLE001 - reported to the waiting caller
                     self._trouble("committing an exchange", error, refused=int(item.row is not None))
                     if item.done:
                         item.done(error)
                     continue
-                self._committed([item], written)
+                self._committed([item])
             return
-        self._committed(batch, written)
+        self._committed(batch)
 
-    def _committed(self, batch: list[_Pending], written: int) -> None:
+    def _committed(self, batch: list[_Pending]) -> None:
         rows = [item.row for item in batch if item.row is not None]
         if rows:
             self.trouble.writes_again()
-        self._journal_rows += len(rows)
-        self._journal_bytes += written
         self._counters.add(rows)
         for item in batch:
             if item.done:
                 item.done(None)
 
-    def _apply(self, con: duckdb.DuckDBPyConnection, batch: list[_Pending]) -> int:
-        """The batch's writes in queue order; each run of exchange rows goes in as one insert. Returns the bytes
-        of exchange records written."""
+    def _apply(self, con: duckdb.DuckDBPyConnection, batch: list[_Pending]) -> None:
+        """The batch's writes in queue order, in the caller's transaction; each run of exchange rows goes in as one
+        insert, straight into the journal (beside statements, not through the commit log)."""
         table = journal_table(self._journals[-1])
         rows: list[Mapping[str, Any]] = []
         written = 0
@@ -400,19 +397,21 @@ class Store(Compaction):
             written += insert_journal_rows(con, rows, table)
             rows = []
             con.execute(item.sql, item.params)
-        return written + insert_journal_rows(con, rows, table)
+        written += insert_journal_rows(con, rows, table)
+        self._journal_rows += sum(item.row is not None for item in batch)
+        self._journal_bytes += written
 
     def _counted(self, sql: str | None = None) -> None:
-        """Before a read of `sessions` (`sql` names it or a view over it; None: any read): the counters of every
-        exchange committed so far are in it (the writer flushes them now, if it has any, and this waits for it).
-        A read of the exchanges alone never waits for the writer."""
-        if not self._counters.pending or threading.current_thread() is self._writer or not self._writer.is_alive():
+        """Before a read: every exchange committed so far is in the database file (the writer moves what waits in
+        its commit log, if anything does, and this waits for it), and, before a read of `sessions` (`sql` names it
+        or a view over it; None: any read), in its counters."""
+        if threading.current_thread() is self._writer or not self._writer.is_alive():
             return
-        if sql is not None and not READS_SESSIONS.search(sql):
+        if not self._moving and not (self._counters.pending and (sql is None or READS_SESSIONS.search(sql))):
             return
-        flushed = threading.Event()
-        self._queue.put(_Pending(step=lambda con: self._counters.flush(con, self._trouble), done=lambda _error: flushed.set()))
-        flushed.wait(timeout=30)  # a writer stopped meanwhile never answers: the read goes on with what is there
+        settled = threading.Event()
+        self._queue.put(_Pending(step=self._settle, done=lambda _error: settled.set()))
+        settled.wait(timeout=30)  # a writer stopped meanwhile never answers: the read goes on with what is there
 
     # -- journals and segments
     def _rotate(self, con: duckdb.DuckDBPyConnection) -> int | None:
@@ -496,3 +495,6 @@ class Store(Compaction):
         except Exception:  # noqa: BLE001 - the journals stay; the next open compacts them
             log.exception("polar-mitm: could not compact the journal at close")
         self.con.close()
+        open_stores.discard(self.path.resolve())
+        # a record that could not be moved stays in the log, for the next open
+        self._log.close() if self._moving else self._log.remove()

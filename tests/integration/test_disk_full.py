@@ -54,15 +54,16 @@ def fill(directory: Path, leave: int) -> Path:
     """A file that takes all but `leave` bytes of the filesystem's free space."""
     filler = directory / "filler"
     stat = os.statvfs(directory)
-    with filler.open("wb") as out:
-        remaining = max(0, stat.f_bavail * stat.f_frsize - leave)
-        try:
+    remaining = max(0, stat.f_bavail * stat.f_frsize - leave)
+    try:
+        # unbuffered: the store writes meanwhile (its commit log's moves, compactions), so the disk can fill before
+        # the filler has written all it planned; a buffered file's close would then raise the ENOSPC
+        with filler.open("wb", buffering=0) as out:
             while remaining > 0:
                 out.write(b"\0" * min(remaining, 1 << 20))
                 remaining -= 1 << 20
-            out.flush()
-        except OSError:
-            pass  # full already
+    except OSError:
+        pass  # full already
     return filler
 
 

@@ -20,6 +20,7 @@ import pytest
 from polar_mitm import store
 from polar_mitm.util import free_port
 from tests.support.gatewayproc import Gateway, listening, proxy_env
+from tests.support.rows import fill_the_disk_under
 from tests.support.upstream_standins import StandinUpstream
 
 
@@ -378,8 +379,9 @@ def test_split_reasoning_round_trip(make_gateway, session_id: str) -> None:
 
 def test_a_failed_commit_is_answered_500_never_200(tmp_path, engine_url: str) -> None:
     """The reply is made only after its row's commit; if DuckDB refuses the row, the harness gets a 500 in the
-    provider's shape instead of the model's answer. Run in-process: the failure is provoked by dropping the journal
-    table the writer appends to, which no other process could do to a running gateway's store."""
+    provider's shape instead of the model's answer. Run in-process: the failure is provoked by pointing the store's
+    commit log at /dev/full (every write fails as on a full disk), which no other process could do to a running
+    gateway's store."""
     from mitmproxy import http
     from mitmproxy.addons import proxyserver
     from mitmproxy.test import taddons, tflow
@@ -404,8 +406,7 @@ def test_a_failed_commit_is_answered_500_never_200(tmp_path, engine_url: str) ->
                 ok = await exchange(addon)
                 assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["role"] == "assistant"
                 assert addon.store.query("SELECT status FROM exchanges WHERE exchange_id = ?", [ok.headers["x-polar-exchange-id"]])[1] == [("ok",)]
-                (journal,) = [name for (name,) in addon.store.query("SELECT table_name FROM duckdb_tables() WHERE table_name LIKE 'exchange_journal_%'")[1]]
-                addon.store.con.execute(f"DROP TABLE {journal}")
+                fill_the_disk_under(addon.store)
                 failed = await exchange(addon)
                 assert failed.status_code == 500
                 error = failed.json()["error"]

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import uuid
 
 import orjson
 
 from polar_mitm.engines.base import WireJSON, _decode
-from polar_mitm.store import ExchangeRow, now
+from polar_mitm.store import ExchangeRow, Store, now
 
 
 def exchange_row(session: str, seq: int, prompt_len: int = 2000, rng: random.Random | None = None) -> ExchangeRow:
@@ -32,3 +33,15 @@ def exchange_row(session: str, seq: int, prompt_len: int = 2000, rng: random.Ran
         "finish_reason": "stop", "prompt_tokens": prompt_len, "completion_tokens": len(sampled),
         "started_at": now(), "ended_at": now(),
     }
+
+
+def fill_the_disk_under(target: Store) -> None:
+    """A real failure of the real store, provoked in-process: from now on its commit log writes to /dev/full (every
+    write fails with ENOSPC, as on a full disk), so each commit is refused."""
+    full = os.open("/dev/full", os.O_WRONLY)
+    log = target._log
+    if log._fd is None:
+        log._fd = full
+    else:
+        os.dup2(full, log._fd)
+        os.close(full)

@@ -25,6 +25,7 @@ from polar_mitm.errors import DialectError, EngineError, RenderError
 from polar_mitm.exchange import Completion, Notes
 from polar_mitm.gateway import addon as addon_module
 from polar_mitm.gateway.addon import PolarAddon
+from tests.support.rows import fill_the_disk_under
 
 # longer than the addon holds a streamed call's headers (STREAM_HOLD_S): the stream has started when the call fails
 FAIL_AFTER_S = addon_module.STREAM_HOLD_S + 0.3
@@ -118,9 +119,7 @@ async def run_both(
         stopped = False
         try:
             if break_store:
-                # a real failure of the real store: the journal table the writer appends to is gone
-                (journal,) = [name for (name,) in addon.store.query("SELECT table_name FROM duckdb_tables() WHERE table_name LIKE 'exchange_journal_%'")[1]]
-                addon.store.con.execute(f"DROP TABLE {journal}")
+                fill_the_disk_under(addon.store)  # a real failure of the real store: its disk is full
             flows = {"json": gemini_flow(UNSTREAMED, "json"), "stream": gemini_flow(STREAMED, "stream")}
             calls = [asyncio.ensure_future(addon.request(flow)) for flow in flows.values()]
             if during is not None:
