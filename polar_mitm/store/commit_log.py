@@ -33,7 +33,7 @@ from polar_mitm.store.trouble import WriteTrouble
 
 log = logging.getLogger("polar_mitm.store")
 
-# committed records wait in the commit log until this many rows, or MB, or a second without commits, or a read,
+# committed records wait in the commit log until this many rows, or MB, or a quarter-second without commits, or a read,
 # and then go into the journal in one INSERT, the session counters with them. Every DuckDB statement costs the writer
 # several times its CPU beside the busy event loop (its client takes the GIL back again and again: a flush of 7
 # sessions' counters 1.7 ms alone, 7.5 ms beside one busy thread): moving after 0.1 s of quiet did so 94 times in 640
@@ -134,7 +134,6 @@ class LoggedCommits:
     trouble: WriteTrouble
     _log: CommitLog
     _moving: list[JournalRecord]  # committed (in the log), not yet in the journal table
-    _moving_bytes: int
     _move_failed: BaseException | None  # the last move's error: commits wait for a move that succeeds
     _journals: list[int]
     _journal_rows: int
@@ -190,10 +189,9 @@ class LoggedCommits:
             return
         self.commits += 1
         self._moving += records
-        self._moving_bytes += sum(map(record_bytes, records))
         self._committed(taken)
         # never more than one journal's worth at a time (tests' tiny journals: one move, many journals at once)
-        if len(self._moving) >= min(MOVE_ROWS, self.segment_rows) or self._moving_bytes >= MOVE_MB << 20:
+        if len(self._moving) >= min(MOVE_ROWS, self.segment_rows) or sum(map(record_bytes, self._moving)) >= MOVE_MB << 20:
             self._settle(appends)
 
     def _move(self, con: duckdb.DuckDBPyConnection) -> bool:
@@ -209,7 +207,7 @@ class LoggedCommits:
                 return False
             self._journal_rows += len(self._moving)
             self._journal_bytes += written
-            self._moving, self._moving_bytes = [], 0
+            self._moving = []
             self._journal_full(con)
             try:
                 self._log.empty()

@@ -243,7 +243,8 @@ def journal_record(row: Mapping[str, Any]) -> JournalRecord:
     and an INSERT takes. Raises (UnicodeEncodeError) for ids that are not text, before the row is committed."""
     head, body, texts = journal_records(row)
     exchange_id, session_id = str(row["exchange_id"]), str(row["session_id"])
-    exchange_id.encode(), session_id.encode()
+    for key in (exchange_id, session_id):
+        key.encode()  # a lone surrogate fails this row now, not the move of the records around it
     return (exchange_id, session_id, int(row["seq"]), str(row["status"]), head, body, *map(_utf8, texts))
 
 

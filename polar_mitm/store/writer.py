@@ -133,7 +133,7 @@ class Store(Compaction, LoggedCommits):
             self._compact(self.con, number)
         self._log = CommitLog(commit_log_path(self.path))
         recovered = self._recover(self._log.read())  # counted into `sessions` by the recount below
-        self._moving, self._moving_bytes, self._move_failed = [], 0, None
+        self._moving, self._move_failed = [], None
         self.con.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
         views.create_views(self.con)  # after the tables and the exchanges view they select from
         if recovered or self.con.execute("SELECT value FROM meta WHERE key = 'closed_cleanly'").fetchall() != [("true",)]:
@@ -246,7 +246,7 @@ class Store(Compaction, LoggedCommits):
         con, appends = self._writer_cursors()
         while True:
             try:
-                # the commit log's records and the session counters wait for a quiet second, or a move's worth
+                # the commit log's records and the session counters wait for a quiet moment, or a move's worth
                 # (polar_mitm.store.commit_log): flushing right away held the GIL just as the event loop was woken
                 # to send the reply
                 first = self._queue.get(timeout=self._quiet_after())
@@ -255,8 +255,7 @@ class Store(Compaction, LoggedCommits):
                     if not self._reopen():
                         continue
                     con, appends = self._writer_cursors()
-                self._settle(appends)
-                self._journal_full(con)
+                self._settle(appends)  # a move hands a full journal to the compactor itself
                 self._keep_up()
                 continue
             if first is None:
@@ -269,7 +268,6 @@ class Store(Compaction, LoggedCommits):
                 con, appends = self._writer_cursors()
             if first.step is not None:
                 self._run_step(con, first)
-                self._journal_full(con)
                 self._keep_up()
                 continue
             batch, step = [first], None
@@ -496,5 +494,7 @@ class Store(Compaction, LoggedCommits):
             log.exception("polar-mitm: could not compact the journal at close")
         self.con.close()
         open_stores.discard(self.path.resolve())
-        # a record that could not be moved stays in the log, for the next open
-        self._log.close() if self._moving else self._log.remove()
+        if self._moving:  # a record that could not be moved stays in the log, for the next open
+            self._log.close()
+        else:
+            self._log.remove()
