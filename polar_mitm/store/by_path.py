@@ -18,7 +18,7 @@ from typing import Any
 
 import duckdb
 
-from polar_mitm.store.commit_log import commit_log_path
+from polar_mitm.store.commit_log import commit_logs
 from polar_mitm.store.segments import connect
 from polar_mitm.store.sql_endpoint import check_read_only, control_file
 from polar_mitm.store.writer import Store, open_stores
@@ -28,22 +28,23 @@ _recovering = threading.Lock()
 
 
 def recover(db_path: str | os.PathLike[str]) -> None:
-    """A store whose writer died (a SIGKILL, a lost node) may hold its last commits (up to one move's worth:
-    commit_log.MOVE_ROWS) in its commit log only, not yet in the file a bare DuckDB client reads. Open it as its
-    writer once, which puts them back, and close it. Nothing to do (and nothing done) when there is no such log, or
-    a Store of this process or another process holds the file (then the log is that writer's)."""
+    """A store whose writer died (a SIGKILL, a lost node) may hold its last commits (up to a segment's worth, and
+    the sealed ones the compactor had not written yet) in its commit logs only, not yet in the file a bare DuckDB
+    client reads. Open it as its writer once, which puts them back, and close it. Nothing to do (and nothing done)
+    when there is no such log, or a Store of this process or another process holds the file (then the logs are that
+    writer's)."""
     path = Path(db_path)
-    log_path = commit_log_path(path)
     with _recovering:
         try:
-            if not log_path.stat().st_size or path.resolve() in open_stores or live_holder(path):
-                return
+            logs = [log_path for log_path in commit_logs(path) if log_path.stat().st_size]
         except FileNotFoundError:
+            return
+        if not logs or path.resolve() in open_stores or live_holder(path):
             return
         try:
             Store(path).close()
         except (duckdb.Error, OSError) as error:  # another process writes it, or it cannot be written here: read what the file holds
-            log.warning(f"polar-mitm: {path} has committed exchanges in {log_path.name} that could not be put back now ({error}); reads miss them until its next writer opens it")
+            log.warning(f"polar-mitm: {path} has committed exchanges in {', '.join(logged.name for logged in logs)} that could not be put back now ({error}); reads miss them until its next writer opens it")
 
 
 def live_holder(db_path: str | os.PathLike[str]) -> dict[str, Any] | None:

@@ -1,5 +1,6 @@
 """The store's compactor thread: full journals become segment tables (polar_mitm.store.segments), off the writer's
-thread, each segment listed by the writer in one transaction. A journal whose compaction failed (a full disk)
+thread, each segment listed by the writer in one transaction. A sealed journal's segment is written from its records
+(polar_mitm.store.commit_log), which never went into the journal table. A journal whose compaction failed (a full disk)
 stays a journal, in the view, and is queued again after the writer's next new journal; the compactor itself never
 dies of a failure."""
 
@@ -11,13 +12,24 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import duckdb
 
 from polar_mitm.store.cache import SegmentCache
+from polar_mitm.store.commit_log import CommitLog, sealed_log_path
 from polar_mitm.store.records import journal_table
-from polar_mitm.store.segments import checkpoint_soon, write_segment
+from polar_mitm.store.segments import (
+    SEGMENT_COLUMNS,
+    checkpoint_soon,
+    register_segment,
+    segment_file,
+    transaction,
+    write_records_segment,
+    write_segment,
+    write_view,
+)
 from polar_mitm.store.trouble import WriteTrouble, invalidates
 
 log = logging.getLogger("polar_mitm.store")
@@ -37,9 +49,11 @@ class Compaction:
     _compacted: threading.Event  # set each time the compactor has written a segment or given up on one
     _handed: int  # steps the compactor has handed the writer and waits for (under _handing)
     _handing: threading.Lock
-    _compactions: queue.Queue[tuple[int, int | None] | None]
+    _compactions: queue.Queue[tuple[int, int | None, bool] | None]
+    _sealed: set[int]
     _call_writer: Callable[[Any], None]
-    _install_segment: Callable[[duckdb.DuckDBPyConnection, int, int], None]
+    path: Path
+    _segments: dict[int, tuple[str, ...]]
     _trouble: Callable[..., None]
     compaction_trouble: WriteTrouble
     _cache: SegmentCache
@@ -74,14 +88,37 @@ class Compaction:
                 self._compacted.wait(timeout=5)
 
     def _queue_compaction(self, number: int, journal_bytes: int | None = None) -> None:
+        """Journal `number` to the compactor, saying whether its records are sealed (not in the journal table)."""
         self._compacting.add(number)
-        self._compactions.put((number, journal_bytes))
+        self._compactions.put((number, journal_bytes, number in self._sealed))
 
     def _queue_uncompacted(self) -> None:
         """Queue again each full journal whose compaction failed (a full disk): they stay journals until then."""
         for number in self._journals[:-1]:
             if number not in self._compacting:
                 self._queue_compaction(number)
+
+    def _install_segment(self, con: duckdb.DuckDBPyConnection, number: int, rows: int) -> None:
+        """Swap journal `number` for its segment table (written by write_segment; 0 rows: the journal was empty, no
+        table) in one transaction: the view names the segment as the journal leaves it, never both or neither."""
+        if number not in self._journals[:-1]:
+            raise RuntimeError(f"{journal_table(number)} is no longer a full journal (the store was reopened)")
+        segments = {**self._segments, **({number: SEGMENT_COLUMNS} if rows else {})}
+        journals = [j for j in self._journals if j != number]
+        with transaction(con):
+            if rows:
+                register_segment(con, number, segment_file(number), rows)
+            write_view(con, segments, journals)
+            con.execute(f"DROP TABLE {journal_table(number)}")
+        self._segments, self._journals = segments, journals
+        if number in self._sealed:
+            self._sealed.discard(number)
+            sealed_log_path(self.path, number).unlink(missing_ok=True)  # its records are the segment now
+
+    def _compact(self, con: duckdb.DuckDBPyConnection, number: int) -> None:
+        """Journal (or its sealed records) to segment, in the calling thread (start-up, close: nothing else writes)."""
+        records = CommitLog(sealed_log_path(self.path, number)).read() if number in self._sealed else []
+        self._install_segment(con, number, (write_records_segment(con, number, records) if records else write_segment(con, number))[0])
 
     def _compact_loop(self) -> None:
         # compaction yields to the proxy: DuckDB runs it on this thread alone (threads=1, set at open), niced
@@ -99,16 +136,23 @@ class Compaction:
                 self._compacting.discard(job[0])
                 self._compacted.set()
 
-    def _compact_one(self, number: int, journal_bytes: int | None) -> None:
-        """One journal to its segment; on failure (a full disk) it stays a journal, in the view, and is queued
-        again after the writer's next new journal. Never raises: the compactor outlives any failure."""
+    def _compact_one(self, number: int, journal_bytes: int | None, sealed: bool) -> None:
+        """One journal to its segment (from its sealed log's records, if it is still there: a read may have moved
+        them into the journal meanwhile); on failure (a full disk) it stays a journal, in the view (sealed records:
+        moved into it by the writer's next move), and is queued again after the writer's next new journal. Never
+        raises: the compactor outlives any failure."""
         if number not in self._journals[:-1]:
             return  # compacted already (queued twice around a reopen)
         started = time.perf_counter()
         try:
             con = self.con.cursor()  # the current connection's: the writer may have reopened the file
             # its own transaction, beside the writer's commits (another table); unlisted, so outside the view
-            rows, slices = write_segment(con, number, journal_bytes, self.slice_bytes)
+            records = CommitLog(sealed_log_path(self.path, number)).read() if sealed else []
+            if records:
+                rows, slices = write_records_segment(con, number, records, self.slice_bytes)
+                del records
+            else:
+                rows, slices = write_segment(con, number, journal_bytes, self.slice_bytes)
             written = time.perf_counter()
             self._to_writer(lambda writer, number=number, rows=rows: self._install_segment(writer, number, rows))
         except Exception as error:  # noqa: BLE001 - the journal stays (and stays in the view); compacted again later

@@ -30,6 +30,7 @@ from polar_mitm.store.schema import (
     ENGINE_RESPONSE_IDS_AT,
     EXCHANGE_COLUMNS,
     JSON_COLUMNS,
+    arrow_array,
     base_type,
     quote,
 )
@@ -100,10 +101,15 @@ JOURNAL_SEGMENT_SELECT = (
 def journal_source(number: int, where: str = "") -> str:
     """A journal's rows with their records parsed (h, b); `where`: only the rows it selects (their records only
     are parsed)."""
+    return records_source(journal_table(number), where)
+
+
+def records_source(relation: str, where: str = "") -> str:
+    """journal_source over any relation with JOURNAL_COLUMNS: a journal table, or records as an Arrow table."""
     columns = ", ".join(f'decode("{name}") AS "{name}"' if name in TEXT_FIELDS else f'"{name}"' for name in JOURNAL_COLUMNS if name not in ("head", "body"))
     return (
         f"(SELECT {columns}, json_transform(decode(head), {quote(HEAD_STRUCTURE)}) AS h, "
-        f"json_transform(decode(body), {quote(BODY_STRUCTURE)}) AS b FROM {journal_table(number)}{f' WHERE {where}' if where else ''})"
+        f"json_transform(decode(body), {quote(BODY_STRUCTURE)}) AS b FROM {relation}{f' WHERE {where}' if where else ''})"
     )
 
 
@@ -267,12 +273,17 @@ def insert_journal_records(con: duckdb.DuckDBPyConnection, records: Sequence[Jou
         con.execute(f"INSERT INTO {table} VALUES ({', '.join('?' * len(JOURNAL_COLUMNS))})", list(records[0]))
     else:
         # DuckDB reads the Arrow table by its variable name (a replacement scan: cheaper than register())
-        polar_pending_exchanges = pa.table(  # noqa: F841 - read by DuckDB
-            [pa.array([record[index] for record in records], type=JOURNAL_ARROW_SCHEMA.field(index).type) for index in range(len(JOURNAL_COLUMNS))],
-            schema=JOURNAL_ARROW_SCHEMA,
-        )
+        polar_pending_exchanges = records_table(records)  # noqa: F841 - read by DuckDB
         con.execute(f"INSERT INTO {table} SELECT * FROM polar_pending_exchanges")
     return sum(record_bytes(record) for record in records)
+
+
+def records_table(records: Sequence[JournalRecord]) -> pa.Table:
+    """Journal records as one Arrow table with a journal's columns (each value copied once, into Arrow buffers)."""
+    return pa.table(
+        [arrow_array([record[index] for record in records], JOURNAL_ARROW_SCHEMA.field(index).type) for index in range(len(JOURNAL_COLUMNS))],
+        schema=JOURNAL_ARROW_SCHEMA,
+    )
 
 
 def _text(value: Any) -> str | bytes:

@@ -43,7 +43,7 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -52,7 +52,16 @@ import duckdb
 import pyarrow as pa
 
 from polar_mitm.errors import ConfigError
-from polar_mitm.store.records import JOURNAL_SEGMENT_SELECT, JOURNAL_STORED_SELECT, journal_source, journal_table
+from polar_mitm.store.records import (
+    JOURNAL_SEGMENT_SELECT,
+    JOURNAL_STORED_SELECT,
+    JournalRecord,
+    journal_source,
+    journal_table,
+    record_bytes,
+    records_source,
+    records_table,
+)
 from polar_mitm.store.schema import (
     EXCHANGE_COLUMNS,
     EXCHANGES_DOC,
@@ -284,6 +293,34 @@ def write_segment(con: duckdb.DuckDBPyConnection, number: int, journal_bytes: in
     return rows, len(where)
 
 
+def write_records_segment(con: duckdb.DuckDBPyConnection, number: int, records: Sequence[JournalRecord], slice_bytes: int = 0) -> tuple[int, int]:
+    """write_segment for records that never went into a journal table (the commit log's, sealed: see
+    polar_mitm.store.commit_log): the same segment, parsed from Arrow tables of at most `slice_bytes` of records each
+    (one per INSERT) instead of from journal rows."""
+    slices: list[list[JournalRecord]] = [[]]
+    size = 0
+    for record in records:
+        if slice_bytes and slices[-1] and size + record_bytes(record) > slice_bytes:
+            slices.append([])
+            size = 0
+        slices[-1].append(record)
+        size += record_bytes(record)
+    if not records:
+        return 0, 0
+    with transaction(con):
+        for index, some in enumerate(slices):
+            con.register("polar_sealed_records", records_table(some))
+            try:
+                select = f"SELECT {JOURNAL_SEGMENT_SELECT} FROM {records_source('polar_sealed_records')}"
+                if index == 0:
+                    create_segment(con, number, select)
+                else:
+                    con.execute(f"INSERT INTO {segment_table(number)} BY NAME {select}")
+            finally:
+                con.unregister("polar_sealed_records")
+    return len(records), len(slices)
+
+
 def migrate_v1(con: duckdb.DuckDBPyConnection) -> int:
     """Schema 1 kept `exchanges` as a table: its rows become the next segment (returns how many)."""
     is_table = con.execute("SELECT count(*) FROM duckdb_tables() WHERE schema_name = 'main' AND table_name = 'exchanges'").fetchall()[0][0]
@@ -343,15 +380,16 @@ def write_parquet(con: duckdb.DuckDBPyConnection, select: str, path: Path) -> No
     try:
         # lz4: about half zstd's CPU here (token ids are random-looking integers), in files ~1.5x the size
         con.execute(f"COPY ({select}) TO {quote(str(temporary))} (FORMAT parquet, COMPRESSION lz4_raw)")
-        _fsync(temporary)
+        fsync_path(temporary)
         os.replace(temporary, path)
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
-    _fsync(path.parent)
+    fsync_path(path.parent)
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file, or a folder (what a rename or unlink in it changed)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

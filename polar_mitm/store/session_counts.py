@@ -12,7 +12,7 @@ import duckdb
 import pyarrow as pa
 
 from polar_mitm.store import views
-from polar_mitm.store.schema import ARROW_TYPES, SESSION_COLUMNS, base_type, now
+from polar_mitm.store.schema import ARROW_TYPES, SESSION_COLUMNS, arrow_array, base_type, now
 from polar_mitm.store.segments import transaction
 
 SESSION_ARROW_SCHEMA = pa.schema([(name, ARROW_TYPES[base_type(SESSION_COLUMNS[name])]) for name in ("session_id", "created_at", "last_seen_at", "n_exchanges", "harness")])
@@ -72,9 +72,9 @@ def update_sessions(con: duckdb.DuckDBPyConnection, counts: dict[str, dict[str, 
         con.execute(UPDATE_SESSION, [entry["last_seen_at"], entry["n_exchanges"], entry["harness"], session_id])
         if not new:
             return
+    columns = {"session_id": list(counts), **{key: [entry[key] for entry in counts.values()] for key in ("created_at", "last_seen_at", "n_exchanges", "harness")}}
     polar_pending_sessions = pa.table(  # noqa: F841 - read by DuckDB
-        {"session_id": list(counts), **{key: [entry[key] for entry in counts.values()] for key in ("created_at", "last_seen_at", "n_exchanges", "harness")}},
-        schema=SESSION_ARROW_SCHEMA,
+        [arrow_array(values, SESSION_ARROW_SCHEMA.field(name).type) for name, values in columns.items()], schema=SESSION_ARROW_SCHEMA
     )
     if len(counts) > 1:
         con.execute(UPDATE_SESSIONS)

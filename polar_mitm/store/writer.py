@@ -1,9 +1,9 @@
 """The writer: one Store per DuckDB file, the file's single writer, committing each exchange before its reply.
 
 DuckDB allows one writing process per file. The gateway owns the file while it runs: a single writer
-thread does group commits into the commit log and moves them into journal tables (polar_mitm.store.commit_log; the
-event loop never touches DuckDB), a compactor thread turns full journals into segment tables (see
-polar_mitm.store.segments), and read-only SQL from other processes is answered by the
+thread does group commits into the commit log (polar_mitm.store.commit_log; the event loop never touches DuckDB),
+a compactor thread turns each segment's worth of them into a segment table (see polar_mitm.store.segments), and
+read-only SQL from other processes is answered by the
 gateway itself over a loopback control endpoint named in `<db>.control.json` (polar_mitm.store.sql_endpoint).
 """
 
@@ -44,7 +44,6 @@ from polar_mitm.store.schema import (
     trajectory_statements,
 )
 from polar_mitm.store.segments import (
-    SEGMENT_COLUMNS,
     connect,
     ensure_schema,
     fetch,
@@ -52,14 +51,11 @@ from polar_mitm.store.segments import (
     migrate_parquet_segments,
     migrate_v1,
     next_segment,
-    register_segment,
     remove_unlisted_segments,
     segment_columns,
-    segment_file,
     segments_dir,
     tables,
     transaction,
-    write_segment,
     write_view,
 )
 from polar_mitm.store.session_counts import READS_SESSIONS, RECOUNT_NEW_SESSIONS, RECOUNT_SESSIONS, SessionCounters
@@ -113,6 +109,7 @@ class Store(Compaction, LoggedCommits):
         self.compaction_trouble = WriteTrouble(self.path, self.trouble.report, compaction=True)
         self.con = self._connect()
         self._cache = SegmentCache(memory_mb)  # cut after each checkpoint (polar_mitm.store.cache)
+        self._sealed: set[int] = set()  # journals whose records are in their sealed logs (polar_mitm.store.commit_log)
         ensure_schema(self.con)
         migrate_v1(self.con)
         for number in migrate_parquet_segments(self.con, self.segments_dir):
@@ -132,8 +129,8 @@ class Store(Compaction, LoggedCommits):
         for number in leftovers:
             self._compact(self.con, number)
         self._log = CommitLog(commit_log_path(self.path))
-        recovered = self._recover(self._log.read())  # counted into `sessions` by the recount below
-        self._moving, self._move_failed = [], None
+        recovered = self._recover()  # counted into `sessions` by the recount below
+        self._pending_rows, self._pending_bytes, self._move_failed = 0, 0, None
         self.con.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
         views.create_views(self.con)  # after the tables and the exchanges view they select from
         if recovered or self.con.execute("SELECT value FROM meta WHERE key = 'closed_cleanly'").fetchall() != [("true",)]:
@@ -149,7 +146,7 @@ class Store(Compaction, LoggedCommits):
         self._counters = SessionCounters({session_id for (session_id,) in self.con.execute("SELECT session_id FROM sessions").fetchall()})
         self._queue: queue.Queue[_Pending | None] = queue.Queue()
         self._batch_max = batch_max
-        self._compactions: queue.Queue[tuple[int, int | None] | None] = queue.Queue()
+        self._compactions: queue.Queue[tuple[int, int | None, bool] | None] = queue.Queue()
         self._pending = _Pending
         self._writer = threading.Thread(target=self._write_loop, name="polar-store-writer", daemon=True)
         self._writer.start()
@@ -246,16 +243,15 @@ class Store(Compaction, LoggedCommits):
         con, appends = self._writer_cursors()
         while True:
             try:
-                # the commit log's records and the session counters wait for a quiet moment, or a move's worth
-                # (polar_mitm.store.commit_log): flushing right away held the GIL just as the event loop was woken
-                # to send the reply
+                # the session counters wait for a quiet moment (polar_mitm.store.commit_log): flushing right away
+                # held the GIL just as the event loop was woken to send the reply
                 first = self._queue.get(timeout=self._quiet_after())
             except queue.Empty:
                 if self._invalid is not None:
                     if not self._reopen():
                         continue
                     con, appends = self._writer_cursors()
-                self._settle(appends)  # a move hands a full journal to the compactor itself
+                self._quiet(appends)
                 self._keep_up()
                 continue
             if first is None:
@@ -405,7 +401,7 @@ class Store(Compaction, LoggedCommits):
         or a view over it; None: any read), in its counters."""
         if threading.current_thread() is self._writer or not self._writer.is_alive():
             return
-        if not self._moving and not (self._counters.pending and (sql is None or READS_SESSIONS.search(sql))):
+        if not self._pending_rows and not self._sealed and not (self._counters.pending and (sql is None or READS_SESSIONS.search(sql))):
             return
         settled = threading.Event()
         self._queue.put(_Pending(step=self._settle, done=lambda _error: settled.set()))
@@ -422,24 +418,6 @@ class Store(Compaction, LoggedCommits):
         self._next_number += 1
         full, self._journals, self._journal_rows, self._journal_bytes = self._journals, journals, 0, 0
         return full[-1] if full else None
-
-    def _install_segment(self, con: duckdb.DuckDBPyConnection, number: int, rows: int) -> None:
-        """Swap journal `number` for its segment table (written by write_segment; 0 rows: the journal was empty, no
-        table) in one transaction: the view names the segment as the journal leaves it, never both or neither."""
-        if number not in self._journals[:-1]:
-            raise RuntimeError(f"{journal_table(number)} is no longer a full journal (the store was reopened)")
-        segments = {**self._segments, **({number: SEGMENT_COLUMNS} if rows else {})}
-        journals = [j for j in self._journals if j != number]
-        with transaction(con):
-            if rows:
-                register_segment(con, number, segment_file(number), rows)
-            write_view(con, segments, journals)
-            con.execute(f"DROP TABLE {journal_table(number)}")
-        self._segments, self._journals = segments, journals
-
-    def _compact(self, con: duckdb.DuckDBPyConnection, number: int) -> None:
-        """Journal to segment, all in the calling thread (start-up and close, when nothing else writes)."""
-        self._install_segment(con, number, write_segment(con, number)[0])
 
     # -- reads (any thread)
     def query(self, sql: str, params: list[Any] | None = None) -> tuple[list[str], list[tuple[Any, ...]]]:
@@ -494,7 +472,7 @@ class Store(Compaction, LoggedCommits):
             log.exception("polar-mitm: could not compact the journal at close")
         self.con.close()
         open_stores.discard(self.path.resolve())
-        if self._moving:  # a record that could not be moved stays in the log, for the next open
+        if self._pending_rows or self._sealed:  # a record that could not be moved stays in its log, for the next open
             self._log.close()
         else:
-            self._log.remove()
+            self._remove_logs()

@@ -135,9 +135,9 @@ def test_session_counters_are_flushed_seldom_under_load_and_every_read_sees_them
         assert dict(target.query("SELECT session_id, n_exchanges FROM sessions")[1]) == {f"s{i}": 10 for i in range(4)}
     finally:
         target.close()
-    # 40 commits, fewer than a move's worth, never a quiet second: the read's flush, and perhaps one more on a slow
+    # 40 commits, fewer than a segment's worth, never a quiet second: the read's flush, and perhaps one more on a slow
     # machine's pause (it was one flush per commit, then one per 0.25 s)
-    assert 1 <= len(flushes) <= 2 + int(elapsed / commit_log.MOVE_WHEN_QUIET_S)
+    assert 1 <= len(flushes) <= 2 + int(elapsed / commit_log.FLUSH_WHEN_QUIET_S)
     assert dict(store.query(tmp_path / "s.duckdb", "SELECT session_id, n_exchanges FROM sessions")[1]) == {f"s{i}": 10 for i in range(4)}
 
 
@@ -323,7 +323,7 @@ CRASH_WRITER = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     from test_store import exchange_row
     from polar_mitm.store import Store, commit_log
-    commit_log.MOVE_WHEN_QUIET_S = {quiet}
+    commit_log.FLUSH_WHEN_QUIET_S = {quiet}
 
     async def main():
         target = Store({db!r}, segment_rows={segment_rows})
@@ -452,7 +452,7 @@ def test_a_killed_writers_store_opens_bare_with_its_journal(tmp_path: Path) -> N
     committed row."""
     db = tmp_path / "crash.duckdb"
     script = tmp_path / "writer.py"
-    # 15 commits, fewer than a move's worth, and no quiet-time move: they are in the commit log only when it dies
+    # 15 commits, fewer than a segment's worth, and no read: they are in the commit log only when it dies
     script.write_text(CRASH_WRITER.format(tests=str(Path(__file__).parent), db=str(db), segment_rows=1000, count=15, quiet=3600))
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     writer = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
