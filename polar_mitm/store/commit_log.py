@@ -287,12 +287,13 @@ class LoggedCommits:
         """Every record not yet in the database file into a journal, one INSERT per journal: sealed ones into
         their own (whose segment the compactor may be writing from them meanwhile: it replaces that journal, rows and
         all), the rest into the current one (a full journal then goes to the compactor), then their logs emptied.
-        False: they stay in their logs and in memory (said once per episode), tried again before the next commit."""
+        False: they stay in their logs (said once per episode), tried again before the next commit."""
         try:
             for number in sorted(self._sealed):
-                insert_journal_records(con, CommitLog(sealed_log_path(self.path, number)).read(), journal_table(number))
+                sealed = sealed_log_path(self.path, number)
+                insert_journal_records(con, CommitLog(sealed).read(), journal_table(number))
                 self._sealed.discard(number)
-                sealed_log_path(self.path, number).unlink(missing_ok=True)  # its records are in the file now
+                sealed.unlink(missing_ok=True)  # its records are in the file now
             if self._pending_rows:
                 records = self._log.pending()
                 written = insert_journal_records(con, records, journal_table(self._journals[-1]))
@@ -318,11 +319,7 @@ class LoggedCommits:
         if records:
             ids = [record[0] for record in records]
             present = {exchange_id for (exchange_id,) in self.con.execute("SELECT exchange_id FROM exchanges WHERE list_contains(?, exchange_id)", [ids]).fetchall()}
-            seen: set[str] = set()
-            for record in records:
-                if record[0] not in present and record[0] not in seen:
-                    missing.append(record)
-                    seen.add(record[0])
+            missing = [record for record in records if record[0] not in present]  # each record is in one log only
             self._journal_bytes += insert_journal_records(self.con, missing, journal_table(self._journals[-1]))
             self._journal_rows += len(missing)
             log.info(f"polar-mitm: {len(missing)} committed exchanges of {self.path} put back from its commit log ({len(records) - len(missing)} were in it already)")

@@ -117,8 +117,15 @@ class Compaction:
 
     def _compact(self, con: duckdb.DuckDBPyConnection, number: int) -> None:
         """Journal (or its sealed records) to segment, in the calling thread (start-up, close: nothing else writes)."""
-        records = CommitLog(sealed_log_path(self.path, number)).read() if number in self._sealed else []
-        self._install_segment(con, number, (write_records_segment(con, number, records) if records else write_segment(con, number))[0])
+        self._install_segment(con, number, self._write_segment(con, number, number in self._sealed)[0])
+
+    def _write_segment(self, con: duckdb.DuckDBPyConnection, number: int, sealed: bool, journal_bytes: int | None = None, slice_bytes: int = 0) -> tuple[int, int]:
+        """Journal `number`'s segment table, unlisted: from its sealed log's records while that log is there (a read
+        may have moved them into the journal meanwhile, and removed it), else from the journal."""
+        records = CommitLog(sealed_log_path(self.path, number)).read() if sealed else []
+        if records:
+            return write_records_segment(con, number, records, slice_bytes)
+        return write_segment(con, number, journal_bytes, slice_bytes)
 
     def _compact_loop(self) -> None:
         # compaction yields to the proxy: DuckDB runs it on this thread alone (threads=1, set at open), niced
@@ -147,12 +154,7 @@ class Compaction:
         try:
             con = self.con.cursor()  # the current connection's: the writer may have reopened the file
             # its own transaction, beside the writer's commits (another table); unlisted, so outside the view
-            records = CommitLog(sealed_log_path(self.path, number)).read() if sealed else []
-            if records:
-                rows, slices = write_records_segment(con, number, records, self.slice_bytes)
-                del records
-            else:
-                rows, slices = write_segment(con, number, journal_bytes, self.slice_bytes)
+            rows, slices = self._write_segment(con, number, sealed, journal_bytes, self.slice_bytes)
             written = time.perf_counter()
             self._to_writer(lambda writer, number=number, rows=rows: self._install_segment(writer, number, rows))
         except Exception as error:  # noqa: BLE001 - the journal stays (and stays in the view); compacted again later

@@ -297,16 +297,17 @@ def write_records_segment(con: duckdb.DuckDBPyConnection, number: int, records: 
     """write_segment for records that never went into a journal table (the commit log's, sealed: see
     polar_mitm.store.commit_log): the same segment, parsed from Arrow tables of at most `slice_bytes` of records each
     (one per INSERT) instead of from journal rows."""
+    if not records:
+        return 0, 0
     slices: list[list[JournalRecord]] = [[]]
     size = 0
     for record in records:
-        if slice_bytes and slices[-1] and size + record_bytes(record) > slice_bytes:
+        length = record_bytes(record)
+        if slice_bytes and slices[-1] and size + length > slice_bytes:
             slices.append([])
             size = 0
         slices[-1].append(record)
-        size += record_bytes(record)
-    if not records:
-        return 0, 0
+        size += length
     with transaction(con):
         for index, some in enumerate(slices):
             con.register("polar_sealed_records", records_table(some))
