@@ -76,6 +76,9 @@ def run(rows: int, shape: str = "chat") -> dict[str, float]:
                 await asyncio.gather(*(store.commit_exchange(r) for r in built[first : first + 64]))
 
         asyncio.run(commit_all())
+        # the compactor done (and, in a tree that merges, its merges) before the close, as in a running node
+        while store._compacting or getattr(store, "_merging", False) or not store._compactions.empty():
+            time.sleep(0.01)
         store.close()
         cpu = time.process_time() - started
         size = sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
@@ -91,6 +94,9 @@ def measure(source: Path, rows: int, shape: str = "chat") -> dict[str, float]:
     result = json.loads(done.stdout.strip().splitlines()[-1])
     # "segment 000003: 192 exchanges written ... in 251 ms, installed in 12 ms, checkpoint in 3 ms"
     result["slowest_install_ms"] = max((int(line.split("installed in ")[1].split()[0]) for line in done.stderr.splitlines() if "installed in " in line), default=0)
+    # "exchange_merged_000001: 4096 exchanges of 16 tables merged in 2512 ms, installed in ..." (trees with merges)
+    merges = [line for line in done.stderr.splitlines() if " tables merged in " in line]
+    result["merges"], result["merge_ms"] = len(merges), sum(int(line.split(" tables merged in ")[1].split()[0]) for line in merges)
     return result
 
 

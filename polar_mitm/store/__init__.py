@@ -58,6 +58,7 @@ from polar_mitm.store.schema import (
     now,
 )
 from polar_mitm.store.segments import (
+    MERGED_PREFIX,
     SEGMENT_PREFIX,
     SEGMENT_SELECT,
     SEGMENTS_TABLE,
@@ -65,6 +66,7 @@ from polar_mitm.store.segments import (
     connect,
     ensure_schema,
     exchanges_view_sql,
+    merge_segments,
     segment_file,
     segment_table,
     segments_dir,
@@ -109,6 +111,8 @@ __all__ = [
     "SCHEMA_VERSION",
     "SEGMENTS_TABLE",
     "SEGMENT_PREFIX",
+    "MERGED_PREFIX",
+    "merge_segments",
     "segment_table",
     "SEGMENT_SELECT",
     "SESSION_ARROW_SCHEMA",

@@ -2,7 +2,8 @@
 thread, each segment listed by the writer in one transaction. A sealed journal's segment is written from its records
 (polar_mitm.store.commit_log), which never went into the journal table. A journal whose compaction failed (a full disk)
 stays a journal, in the view, and is queued again after the writer's next new journal; the compactor itself never
-dies of a failure."""
+dies of a failure. Between compactions it merges aged segments (`merge_fanin` tables of one level into one), so the
+view names a bounded number of tables however long the store has been written (segments.merge_segments)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +23,15 @@ from polar_mitm.store.cache import SegmentCache
 from polar_mitm.store.commit_log import CommitLog, sealed_log_path
 from polar_mitm.store.records import journal_table
 from polar_mitm.store.segments import (
+    MERGED_PREFIX,
     SEGMENT_COLUMNS,
+    SEGMENTS_TABLE,
+    MergedTable,
     checkpoint_soon,
+    merge_segments,
     register_segment,
     segment_file,
+    segment_table,
     transaction,
     write_records_segment,
     write_segment,
@@ -37,6 +44,27 @@ log = logging.getLogger("polar_mitm.store")
 # journals waiting for the compactor (one being compacted, one queued) before the writer waits for it: a compactor
 # that falls behind (it yields to the proxy) would otherwise hold every full journal in memory
 COMPACTION_BACKLOG = 2
+# sealed journals (their records wait in files, not in memory) may queue further behind a merge: one of 16 segments
+# of 256 harness-sized rows takes the compactor ~5 s
+SEALED_BACKLOG = 16
+
+
+@dataclass(frozen=True)
+class Merge:
+    """A compactor job: these segments (in their own tables) and merged tables, all of one level, into `table`."""
+
+    table: str
+    segments: tuple[int, ...]  # in tables of their own
+    merged: dict[str, tuple[str, ...]]  # merged tables -> their columns besides `segment`
+
+
+def merge_level(segments: int, fanin: int) -> int:
+    """The level of a table holding this many segments: a segment's own table is level 0, and a merge of `fanin`
+    tables of level L is level L + 1 (holding fanin ** (L + 1) segments)."""
+    level, size = 0, 1
+    while size < segments:
+        level, size = level + 1, size * fanin
+    return level
 
 
 class Compaction:
@@ -49,11 +77,16 @@ class Compaction:
     _compacted: threading.Event  # set each time the compactor has written a segment or given up on one
     _handed: int  # steps the compactor has handed the writer and waits for (under _handing)
     _handing: threading.Lock
-    _compactions: queue.Queue[tuple[int, int | None, bool] | None]
+    _compactions: queue.Queue[tuple[int, int | None, bool] | Merge | None]
     _sealed: set[int]
     _call_writer: Callable[[Any], None]
     path: Path
-    _segments: dict[int, tuple[str, ...]]
+    _segments: dict[int, tuple[str, ...]]  # segments in tables of their own -> their columns
+    _merged: dict[str, MergedTable]
+    merge_fanin: int
+    merge_after: int
+    _merging: bool  # a merge is queued or running (one at a time)
+    _next_merged: int
     _trouble: Callable[..., None]
     compaction_trouble: WriteTrouble
     _cache: SegmentCache
@@ -81,7 +114,10 @@ class Compaction:
 
     def _keep_up(self) -> None:
         """Between batches (never inside a move: the compactor's install step would wait for it)."""
-        if len(self._compacting) > COMPACTION_BACKLOG and self._compactor.is_alive():
+        # a merge holds the compactor for seconds: sealed journals then queue behind it (up to SEALED_BACKLOG)
+        # rather than stall commits; otherwise every queued journal counts, as before merges
+        waiting = len(self._compacting - self._sealed) if self._merging else len(self._compacting)
+        if (waiting > COMPACTION_BACKLOG or len(self._compacting) > SEALED_BACKLOG) and self._compactor.is_alive():
             # backpressure: commits wait (a few ms) rather than full journals piling up in memory
             self._compacted.clear()
             if not self._handed:  # else a step of the compactor's is queued: the loop runs it next
@@ -108,12 +144,52 @@ class Compaction:
         with transaction(con):
             if rows:
                 register_segment(con, number, segment_file(number), rows)
-            write_view(con, segments, journals)
+            write_view(con, segments, journals, self._merged)
             con.execute(f"DROP TABLE {journal_table(number)}")
         self._segments, self._journals = segments, journals
         if number in self._sealed:
             self._sealed.discard(number)
             sealed_log_path(self.path, number).unlink(missing_ok=True)  # its records are the segment now
+        self._queue_merge()
+
+    def _queue_merge(self) -> None:
+        """Queue the next merge, if one is due and none is queued (writer thread, or before the threads start): the
+        oldest `merge_fanin` tables of the lowest level that has that many, beyond the newest `merge_after` segments
+        (which keep their own tables: a store of fewer segments never pays for a merge). Only segments with every
+        column (as create_segment makes them) are merged; an older one keeps its own table."""
+        if not self.merge_fanin or self._merging:
+            return
+        levels: dict[int, list[tuple[int, int | str]]] = {}
+        for number, columns in sorted(self._segments.items())[: max(0, len(self._segments) - self.merge_after)]:
+            if columns == SEGMENT_COLUMNS:
+                levels.setdefault(0, []).append((number, number))
+        for table, held in self._merged.items():
+            levels.setdefault(merge_level(len(held.segments), self.merge_fanin), []).append((min(held.segments), table))
+        for level in sorted(levels):
+            oldest = sorted(levels[level])[: self.merge_fanin]
+            if len(oldest) == self.merge_fanin:
+                table = f"{MERGED_PREFIX}{self._next_merged:06d}"
+                self._next_merged += 1
+                self._merging = True
+                merged = {m: self._merged[m].columns for _, m in oldest if isinstance(m, str)}
+                self._compactions.put(Merge(table, tuple(m for _, m in oldest if isinstance(m, int)), merged))
+                return
+
+    def _install_merge(self, con: duckdb.DuckDBPyConnection, merge: Merge) -> None:
+        """List the merged table as where its segments are, re-point the view and drop the tables merged, in one
+        transaction (writer thread): every row is in the view exactly once, before and after."""
+        if any(n not in self._segments for n in merge.segments) or any(t not in self._merged for t in merge.merged):
+            raise RuntimeError(f"{merge.table}: its tables changed meanwhile (the store was reopened)")
+        members = tuple(sorted([*merge.segments, *(n for t in merge.merged for n in self._merged[t].segments)]))
+        segments = {n: c for n, c in self._segments.items() if n not in merge.segments}
+        merged = {**{t: held for t, held in self._merged.items() if t not in merge.merged}, merge.table: MergedTable(members, SEGMENT_COLUMNS)}
+        with transaction(con):
+            con.execute(f"UPDATE {SEGMENTS_TABLE} SET stored_in = ? WHERE list_contains(?, segment)", [merge.table, list(members)])
+            write_view(con, segments, self._journals, merged)
+            for table in [*map(segment_table, merge.segments), *merge.merged]:
+                con.execute(f"DROP TABLE {table}")
+        self._segments, self._merged, self._merging = segments, merged, False
+        self._queue_merge()
 
     def _compact(self, con: duckdb.DuckDBPyConnection, number: int) -> None:
         """Journal (or its sealed records) to segment, in the calling thread (start-up, close: nothing else writes)."""
@@ -137,11 +213,32 @@ class Compaction:
             job = self._compactions.get()
             if job is None:
                 return
+            if isinstance(job, Merge):
+                self._merge_one(job)
+                continue
             try:
                 self._compact_one(*job)
             finally:
                 self._compacting.discard(job[0])
                 self._compacted.set()
+
+    def _merge_one(self, merge: Merge) -> None:
+        """One merge: its table written (unlisted, so outside the view until the writer lists it), then listed, then a
+        checkpoint. On failure the tables merged stay as they were, in the view; the table half made is dropped at
+        the next open, and the merge is tried again after the next segment. Never raises."""
+        started = time.perf_counter()
+        try:
+            con = self.con.cursor()
+            rows = merge_segments(con, merge.table, merge.segments, merge.merged)
+            written = time.perf_counter()
+            self._to_writer(lambda writer: self._install_merge(writer, merge))
+        except Exception as error:  # noqa: BLE001 - the tables merged stay, in the view
+            self._merging = False
+            self._trouble(f"merging {len(merge.segments) + len(merge.merged)} segment tables into {merge.table}, which stay as they were", error, compaction=True)
+            return
+        installed = time.perf_counter()
+        log.info(f"polar-mitm: {merge.table}: {rows} exchanges of {len(merge.segments) + len(merge.merged)} tables merged in {1000 * (written - started):.0f} ms, installed in "
+                 f"{1000 * (installed - written):.0f} ms{self._checkpoint(con)}")
 
     def _compact_one(self, number: int, journal_bytes: int | None, sealed: bool) -> None:
         """One journal to its segment (from its sealed log's records, if it is still there: a read may have moved
@@ -164,13 +261,21 @@ class Compaction:
             self._compacted.set()  # a writer waiting on the backlog goes on
             return
         installed = time.perf_counter()
+        log.info(
+            f"polar-mitm: segment {number:06d}: {rows} exchanges written in {slices} slices in {1000 * (written - started):.0f} ms, installed in "
+            f"{1000 * (installed - written):.0f} ms{self._checkpoint(con)}"
+        )
+
+    def _checkpoint(self, con: duckdb.DuckDBPyConnection) -> str:
+        """A checkpoint after a segment or merge is listed, then DuckDB's cache cut; what it did, for the log line."""
         self.compaction_trouble.writes_again()
+        started = time.perf_counter()
         try:
             checkpointed = checkpoint_soon(con)
         except Exception as error:  # noqa: BLE001 - e.g. a full disk: the WAL keeps the rows; the writer reopens if DuckDB gave up
             # commits go on unless DuckDB gave up on the file (then the commits' own episode says so)
             self._trouble("checkpointing", error, compaction=not invalidates(error))
-            return
+            return ", checkpoint failed"
         checkpointed_at = time.perf_counter()
         held: list[int | None] = []
         if checkpointed:  # the blocks it wrote stay in DuckDB's cache until cut (polar_mitm.store.cache)
@@ -179,10 +284,7 @@ class Compaction:
             except Exception as error:  # noqa: BLE001 - the cache stays as it was; commits go on
                 self._trouble("cutting DuckDB's cache after a checkpoint", error, compaction=True)
         cut = f", DuckDB holds {held[0]} MB after a cut in {1000 * (time.perf_counter() - checkpointed_at):.0f} ms" if held and held[0] is not None else ""
-        log.info(
-            f"polar-mitm: segment {number:06d}: {rows} exchanges written in {slices} slices in {1000 * (written - started):.0f} ms, installed in "
-            f"{1000 * (installed - written):.0f} ms, {'checkpoint' if checkpointed else 'no checkpoint'} in {1000 * (checkpointed_at - installed):.0f} ms{cut}"
-        )
+        return f", {'checkpoint' if checkpointed else 'no checkpoint'} in {1000 * (checkpointed_at - started):.0f} ms{cut}"
 
     def _to_writer(self, step: Callable[[duckdb.DuckDBPyConnection], None]) -> None:
         """Run `step` on the writer thread and wait for it. Counted before it is queued, so a writer about to wait

@@ -23,7 +23,7 @@ from typing import Any, TypedDict
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 3  # 1: an exchanges table; 2: Parquet segments beside the file; 3: segment tables in the file
+SCHEMA_VERSION = 4  # 1: an exchanges table; 2: Parquet segments beside the file; 3: segment tables in the file; 4: and merged tables
 
 EXCHANGE_COLUMNS: dict[str, str] = {
     "exchange_id": "VARCHAR NOT NULL",

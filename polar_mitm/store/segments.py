@@ -20,6 +20,15 @@ One table per segment, not one table for all: DuckDB rewrites a table's last, pa
 122,880 rows) at every checkpoint, so a checkpoint after each compaction into one shared table took longer the
 bigger the store (86 -> 630 ms over the first 11 segments, measured); a new table's checkpoint writes only itself.
 
+But every query of the view binds each table it names, column by column (~0.5 ms a segment table of 46 columns):
+over 1,000 segments a query took 0.5-0.6 s and an open 3.6 s, and the writer re-pointed the view (at every new
+journal and segment) in 0.3 s; over 3,000, 2.3 s, 13 s and 1 s (bench/segments_bench.py). So segments are merged as
+they age (`merge_segments`, decided by the compactor): `fanin` tables of one level (a segment's own table is level 0,
+a merge of `fanin` level-L tables level L+1) become one `exchange_merged_NNNNNN` table, written once, with a `segment`
+column that keeps each row's segment; the list says where each segment's rows are (`stored_in`), and a segment's
+Parquet export is still its own rows. The view names a bounded number of tables; each row merged is copied once a
+level.
+
 Why tables, not Parquet files beside the database (schema 2): a view cannot name its own database's folder
 (table-function arguments must be constants), so a view over Parquet segments named them relative to the working
 directory or DuckDB's `file_search_path`, and any DuckDB client that opened the file without setting it first
@@ -43,10 +52,10 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import duckdb
 import pyarrow as pa
@@ -79,6 +88,7 @@ log = logging.getLogger("polar_mitm.store")
 
 SEGMENTS_TABLE = "exchange_segments"  # one row per segment: its number, its Parquet export's name, rows
 SEGMENT_PREFIX = "exchange_segment_"  # a segment's table: exchange_segment_NNNNNN (SEGMENT_COLUMNS)
+MERGED_PREFIX = "exchange_merged_"  # segments merged into one table: exchange_merged_NNNNNN (segment, SEGMENT_COLUMNS)
 
 
 def segment_table(number: int) -> str:
@@ -176,7 +186,7 @@ _SEGMENT_NAME = re.compile(r"\d{6}(-[0-9a-f]{16})?\.parquet(\.[0-9-]+)?(\.tmp)?"
 
 
 def register_segment(con: duckdb.DuckDBPyConnection, number: int, file: str, rows: int) -> None:
-    con.execute(f"INSERT INTO {SEGMENTS_TABLE} VALUES (?, ?, ?, ?)", [number, file, rows, now()])
+    con.execute(f"INSERT INTO {SEGMENTS_TABLE} (segment, file, rows, created_at) VALUES (?, ?, ?, ?)", [number, file, rows, now()])
 
 
 def listed_segments(con: duckdb.DuckDBPyConnection) -> list[tuple[int, str]]:
@@ -184,12 +194,36 @@ def listed_segments(con: duckdb.DuckDBPyConnection) -> list[tuple[int, str]]:
     return [(number, file) for number, file in con.execute(f"SELECT segment, file FROM {SEGMENTS_TABLE} ORDER BY segment").fetchall()]
 
 
+class MergedTable(NamedTuple):
+    segments: tuple[int, ...]  # the segments it holds, in order
+    columns: tuple[str, ...]  # its columns besides `segment` (SEGMENT_COLUMNS when made by this version)
+
+
+def merged_segments(con: duckdb.DuckDBPyConnection) -> dict[str, MergedTable]:
+    """Each merged table in use; none in a store made before merges (read only: no writer has added the column)."""
+    if not _lists_merges(con):
+        return {}
+    found = con.execute(f"SELECT stored_in, list(segment ORDER BY segment) FROM {SEGMENTS_TABLE} WHERE stored_in IS NOT NULL GROUP BY 1").fetchall()
+    columns = _table_columns(con, MERGED_PREFIX)
+    return {table: MergedTable(tuple(members), tuple(c for c in columns.get(table, ()) if c != "segment")) for table, members in found}
+
+
+def _table_columns(con: duckdb.DuckDBPyConnection, prefix: str) -> dict[str, list[str]]:
+    """The columns, in order, of each table whose name starts with `prefix`."""
+    found = "SELECT table_name, list(column_name ORDER BY column_index) FROM duckdb_columns() WHERE schema_name = 'main' AND starts_with(table_name, ?) GROUP BY 1"
+    return dict(con.execute(found, [prefix]).fetchall())
+
+
 def remove_unlisted_segments(con: duckdb.DuckDBPyConnection, directory: Path) -> list[str]:
-    """Drop segment tables and delete Parquet files no listed segment owns (a compaction a crash cut short, whose rows
-    are still in their journal); only the writer may call this. Returns what it removed."""
+    """Drop segment and merged tables and delete Parquet files no listed segment owns (a compaction or merge a crash
+    cut short: the rows are still in their journal or in the tables merged); only the writer may call this. Returns
+    what it removed."""
     listed = listed_segments(con)
-    names = {segment_table(number) for number, _ in listed}
-    removed = sorted(name for name in tables(con) if re.fullmatch(SEGMENT_PREFIX + r"\d+", name) and name not in names)
+    merged = merged_segments(con)
+    in_merged = {number for table in merged.values() for number in table.segments}
+    names = {segment_table(number) for number, _ in listed if number not in in_merged} | set(merged)
+    pattern = f"({SEGMENT_PREFIX}|{MERGED_PREFIX})\\d+"
+    removed = sorted(name for name in tables(con) if re.fullmatch(pattern, name) and name not in names)
     for name in removed:
         con.execute(f"DROP TABLE {name}")
     files = {file for _, file in listed}
@@ -202,25 +236,31 @@ def remove_unlisted_segments(con: duckdb.DuckDBPyConnection, directory: Path) ->
 
 
 def segment_columns(con: duckdb.DuckDBPyConnection) -> dict[int, tuple[str, ...]]:
-    """Each listed segment's table columns, in order; () for a segment without a table (schema 2's, not migrated).
-    A segment is immutable: the writer asks once, at open."""
-    found = (
-        "SELECT table_name, list(column_name ORDER BY column_index) FROM duckdb_columns() "
-        "WHERE schema_name = 'main' AND starts_with(table_name, ?) GROUP BY 1"
+    """Each listed segment's table columns, in order, for those in a table of their own (not merged); () for a
+    segment without a table (schema 2's, not migrated). A segment is immutable: the writer asks once, at open."""
+    columns = _table_columns(con, SEGMENT_PREFIX)
+    own = con.execute(f"SELECT segment FROM {SEGMENTS_TABLE} {'WHERE stored_in IS NULL' if _lists_merges(con) else ''} ORDER BY segment").fetchall()
+    return {number: tuple(columns.get(segment_table(number), ())) for (number,) in own}
+
+
+def _lists_merges(con: duckdb.DuckDBPyConnection) -> bool:
+    found = "SELECT count(*) FROM duckdb_columns() WHERE schema_name = 'main' AND table_name = ? AND column_name = 'stored_in'"
+    return bool(con.execute(found, [SEGMENTS_TABLE]).fetchall()[0][0])
+
+
+def exchanges_view_sql(segments: dict[int, tuple[str, ...]], journals: list[int], merged: dict[str, MergedTable] | None = None) -> str:
+    """The view over these segments' tables (number -> its columns), merged tables and journals; a column a table
+    was made without reads as NULL. A table made with every column (in the contract's order and types, as
+    create_segment and merge_segments make them) is read as `*` (a merged one without its `segment`): the view's
+    text, parsed at every query, stays short."""
+    parts = sorted(
+        [(number, f"SELECT {'*' if columns == SEGMENT_COLUMNS else stored_select(set(columns))} FROM {segment_table(number)}") for number, columns in segments.items()]
+        + [
+            (min(held.segments), f"SELECT {'* EXCLUDE (segment)' if held.columns == SEGMENT_COLUMNS else stored_select(set(held.columns))} FROM {table}")
+            for table, held in (merged or {}).items()
+        ]
     )
-    columns = dict(con.execute(found, [SEGMENT_PREFIX]).fetchall())
-    return {number: tuple(columns.get(segment_table(number), ())) for number, _ in listed_segments(con)}
-
-
-def exchanges_view_sql(segments: dict[int, tuple[str, ...]], journals: list[int]) -> str:
-    """The view over these segments' tables (number -> its columns) and journals; a column a segment was made
-    without reads as NULL. A segment made with every column (in the contract's order and types, as create_segment
-    makes them) is read as `*`: the view's text, parsed at every query, stays short with thousands of segments."""
-    parts = [
-        f"SELECT {'*' if columns == SEGMENT_COLUMNS else stored_select(set(columns))} FROM {segment_table(number)}"
-        for number, columns in sorted(segments.items())
-    ]
-    parts += [f"SELECT {JOURNAL_STORED_SELECT} FROM {journal_source(number)}" for number in journals]
+    parts = [select for _, select in parts] + [f"SELECT {JOURNAL_STORED_SELECT} FROM {journal_source(number)}" for number in journals]
     return "CREATE OR REPLACE VIEW exchanges AS " + with_marks(with_whole_texts(" UNION ALL ".join(parts)), MARKS_TABLE)
 
 
@@ -252,12 +292,13 @@ def ensure_schema(con: duckdb.DuckDBPyConnection) -> None:
     the view."""
     create_table(con, "sessions", SESSION_COLUMNS)
     create_table(con, MARKS_TABLE, MARK_COLUMNS)
-    con.execute(f"CREATE TABLE IF NOT EXISTS {SEGMENTS_TABLE} (segment INTEGER PRIMARY KEY, file VARCHAR NOT NULL, rows BIGINT, created_at TIMESTAMPTZ)")
+    # stored_in: the merged table that holds the segment's rows (NULL: its own table, segment_table)
+    create_table(con, SEGMENTS_TABLE, {"segment": "INTEGER PRIMARY KEY", "file": "VARCHAR NOT NULL", "rows": "BIGINT", "created_at": "TIMESTAMPTZ", "stored_in": "VARCHAR"})
     con.execute("CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR)")
 
 
-def write_view(con: duckdb.DuckDBPyConnection, segments: dict[int, tuple[str, ...]], journals: list[int]) -> None:
-    con.execute(exchanges_view_sql(segments, journals))
+def write_view(con: duckdb.DuckDBPyConnection, segments: dict[int, tuple[str, ...]], journals: list[int], merged: dict[str, MergedTable] | None = None) -> None:
+    con.execute(exchanges_view_sql(segments, journals, merged))
     con.execute(f"COMMENT ON VIEW exchanges IS {quote(EXCHANGES_DOC)}")
 
 
@@ -291,6 +332,20 @@ def write_segment(con: duckdb.DuckDBPyConnection, number: int, journal_bytes: in
         for condition in where[1:]:
             con.execute(f"INSERT INTO {segment_table(number)} BY NAME SELECT {JOURNAL_SEGMENT_SELECT} FROM {journal_source(number, condition)}")
     return rows, len(where)
+
+
+def merge_segments(con: duckdb.DuckDBPyConnection, table: str, segments: Sequence[int], merged: Mapping[str, Collection[str]]) -> int:
+    """Write `table`: the rows of these segments' own tables (each made with every column, SEGMENT_COLUMNS) and of
+    these merged tables (name -> its columns besides `segment`; a column one lacks, NULL), each row with its
+    segment's number, in one transaction (unlisted: the writer lists it, and drops what it replaces). Returns its
+    rows. One CREATE TABLE ... AS, so the table is written once: appending to a table costs a rewrite of its last row
+    group at each checkpoint (see the top)."""
+    columns = ", ".join(SEGMENT_COLUMNS)
+    parts = [f"SELECT {number}::INTEGER AS segment, {columns} FROM {segment_table(number)}" for number in segments]
+    parts += [f"SELECT segment, {columns if tuple(present) == SEGMENT_COLUMNS else stored_select(set(present))} FROM {name}" for name, present in merged.items()]
+    with transaction(con):
+        con.execute(f"CREATE TABLE {table} AS {' UNION ALL '.join(parts)}")
+        return int(con.execute(f"SELECT count(*) FROM {table}").fetchall()[0][0])
 
 
 def write_records_segment(con: duckdb.DuckDBPyConnection, number: int, records: Sequence[JournalRecord], slice_bytes: int = 0) -> tuple[int, int]:
@@ -343,9 +398,10 @@ def migrate_parquet_segments(con: duckdb.DuckDBPyConnection, directory: Path) ->
     one, a transaction each (an interrupted migration goes on at the next open). The files stay: they are the
     segments' Parquet exports. Returns the segments loaded."""
     present = tables(con)
+    merged = {number for table in merged_segments(con).values() for number in table.segments}
     migrated = []
     for number, file in listed_segments(con):
-        if segment_table(number) in present:
+        if segment_table(number) in present or number in merged:
             continue
         path = str((directory / file).resolve())
         if not os.path.exists(path):
@@ -364,10 +420,13 @@ def export_segments(con: duckdb.DuckDBPyConnection, directory: Path) -> list[str
     written yet: what a snapshot hands another machine. Works on a read-only connection; a schema-2 store that no
     writer migrated yet has every file already."""
     files, paths = dict(listed_segments(con)), []
-    for number, columns in segment_columns(con).items():
+    sources = {number: (set(columns), segment_table(number)) for number, columns in segment_columns(con).items()}
+    for table, held in merged_segments(con).items():
+        sources.update({number: (set(held.columns), f"{table} WHERE segment = {number}") for number in held.segments})
+    for number, (columns, source) in sorted(sources.items()):
         path = (directory / files[number]).resolve()
         if not path.exists() and columns:
-            write_parquet(con, with_whole_texts(f"SELECT {stored_select(set(columns))} FROM {segment_table(number)}"), path)
+            write_parquet(con, with_whole_texts(f"SELECT {stored_select(columns)} FROM {source}"), path)
         paths.append(str(path))
     return paths
 

@@ -28,7 +28,7 @@ import pyarrow as pa
 from polar_mitm.store import session_counts, sql_endpoint, views
 from polar_mitm.store.cache import SegmentCache
 from polar_mitm.store.commit_log import CommitLog, LoggedCommits, commit_log_path
-from polar_mitm.store.compactor import Compaction
+from polar_mitm.store.compactor import Compaction, Merge
 from polar_mitm.store.records import (
     JOURNAL_COLUMNS,
     JOURNAL_PREFIX,
@@ -44,10 +44,12 @@ from polar_mitm.store.schema import (
     trajectory_statements,
 )
 from polar_mitm.store.segments import (
+    MERGED_PREFIX,
     connect,
     ensure_schema,
     fetch,
     fetch_arrow,
+    merged_segments,
     migrate_parquet_segments,
     migrate_v1,
     next_segment,
@@ -73,6 +75,12 @@ open_stores: set[Path] = set()  # the files a Store of this process holds (by_pa
 MEMORY_MB = 512
 JOURNAL_MB = 32
 COMPACT_SLICE_MB = 8
+# segment tables merged as they age (Compaction._queue_merge), 16 of one level into one, once 48 newer segments exist:
+# the view then names at most ~64 segments' tables and ~15 merged ones a level, and a store of fewer than 64
+# segments (16,384 exchanges) copies no row; a row is copied once a level, ~1.4 ms of CPU each time for a chat-mode
+# row (bench/segments_bench.py, bench/compaction.py)
+MERGE_FANIN = 16
+MERGE_AFTER = 48
 # after DuckDB invalidated the database (a write that failed mid-checkpoint: a full disk), how often the writer
 # tries to open the file again; commits meanwhile are refused at once
 REOPEN_EVERY_S = 0.5
@@ -94,7 +102,8 @@ class Store(Compaction, LoggedCommits):
 
     def __init__(
         self, path: str | os.PathLike[str], batch_max: int = 64, segment_rows: int = 256, memory_mb: int = MEMORY_MB, journal_mb: int = JOURNAL_MB,
-        compact_slice_mb: int = COMPACT_SLICE_MB, report: Callable[[str], None] | None = None,
+        compact_slice_mb: int = COMPACT_SLICE_MB, report: Callable[[str], None] | None = None, merge_fanin: int = MERGE_FANIN,
+        merge_after: int = MERGE_AFTER,
     ):
         """`report`: where the store says, in one line each, that it cannot write and that it writes again
         (default: a warning on this module's log); one line per episode, not one per refused commit. `batch_max`:
@@ -114,9 +123,13 @@ class Store(Compaction, LoggedCommits):
         migrate_v1(self.con)
         for number in migrate_parquet_segments(self.con, self.segments_dir):
             log.info(f"polar-mitm: segment {number:06d} of {self.path} moved from its Parquet file into the store file (schema 2 to 3)")
-        self._segments = segment_columns(self.con)
+        self._segments, self._merged = segment_columns(self.con), merged_segments(self.con)
         self._journals = sorted(int(name[len(JOURNAL_PREFIX):]) for name in tables(self.con) if re.fullmatch(JOURNAL_PREFIX + r"\d+", name))
         self._next_number = max(next_segment(self.con), max(self._journals, default=0) + 1)
+        self.merge_fanin, self.merge_after, self._merging = merge_fanin, merge_after, False
+        self._compactions: queue.Queue[tuple[int, int | None, bool] | Merge | None] = queue.Queue()
+        # merged tables are numbered on, past any a crash left unlisted (dropped just below)
+        self._next_merged = 1 + max((int(name[len(MERGED_PREFIX):]) for name in tables(self.con) if re.fullmatch(MERGED_PREFIX + r"\d+", name)), default=0)
         # what a crash cut short of a compaction goes (its rows are still in their journal); then journals left by
         # a crash (or a hard stop) become segments before anything new is written
         for name in remove_unlisted_segments(self.con, self.segments_dir):
@@ -146,7 +159,7 @@ class Store(Compaction, LoggedCommits):
         self._counters = SessionCounters({session_id for (session_id,) in self.con.execute("SELECT session_id FROM sessions").fetchall()})
         self._queue: queue.Queue[_Pending | None] = queue.Queue()
         self._batch_max = batch_max
-        self._compactions: queue.Queue[tuple[int, int | None, bool] | None] = queue.Queue()
+        self._queue_merge()  # what aged while the store was closed (or written by a version before merges)
         self._pending = _Pending
         self._writer = threading.Thread(target=self._write_loop, name="polar-store-writer", daemon=True)
         self._writer.start()
@@ -304,7 +317,7 @@ class Store(Compaction, LoggedCommits):
             pass
         try:
             self.con = con = self._connect()
-            self._segments = segment_columns(con)
+            self._segments, self._merged = segment_columns(con), merged_segments(con)
             self._journals = sorted(int(name[len(JOURNAL_PREFIX):]) for name in tables(con) if re.fullmatch(JOURNAL_PREFIX + r"\d+", name))
             self._next_number = max(next_segment(con), max(self._journals, default=0) + 1)
             self._rotate(con)
@@ -414,7 +427,7 @@ class Store(Compaction, LoggedCommits):
         journals = self._journals + [number]
         with transaction(con):
             con.execute(f"CREATE TABLE {journal_table(number)} ({', '.join(f'{n} {t}' for n, t in JOURNAL_COLUMNS.items())})")
-            write_view(con, self._segments, journals)
+            write_view(con, self._segments, journals, self._merged)
         self._next_number += 1
         full, self._journals, self._journal_rows, self._journal_bytes = self._journals, journals, 0, 0
         return full[-1] if full else None

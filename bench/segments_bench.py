@@ -1,0 +1,145 @@
+"""A store's history against the cost of reading it: stores of many segments, with their segments merged as they age
+(the defaults: 16 tables of a level at a time, once 48 newer segments exist) and without (`merge_fanin` 0, as
+before merges), side by side in one run.
+
+    .venv/bin/python -m bench.segments_bench [--segments 100,1000,3000] [--rounds 2]
+                                             [--output bench/segments_results.md]
+
+Each store is SYNTHETIC: `--segments` segments of 4 small rows each (50 sessions), bulk-loaded with
+`store.add_segment` as a node's writer would have cut them (what a long run leaves: a segment per 256 rows, so
+3,000 segments are ~770,000 exchanges). Its copy for each variant is then opened by a `Store` with that fan-in in a
+process of its own (the first open, which merges what aged: its time and CPU), and then again, where it is timed:
+the open, three queries on the `exchanges` view (one matching nothing, one session, a count of all), and the
+view's re-pointing (what the writer does at every new journal and segment: the CREATE VIEW, rolled back). The row
+size does not matter to those (DuckDB binds each table the view names, column by column); what a merge costs for
+harness-sized rows is bench/compaction.py's to measure (`--rows 16640`: 65 segments, one merge of the oldest 16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.common import ROOT
+
+QUERIES = {
+    "no match": "SELECT count(*) FROM exchanges WHERE session_id = 'nobody'",
+    "one session": "SELECT count(*) FROM exchanges WHERE session_id = 's7'",
+    "count": "SELECT count(*) FROM exchanges",
+}
+
+
+def build(db: Path, segments: int) -> None:
+    import pyarrow as pa
+
+    from polar_mitm import store
+
+    con = store.connect(db)
+    store.ensure_schema(con)
+    for number in range(segments):
+        ids = [f"x{number}-{i}" for i in range(4)]
+        store.add_segment(con, pa.table({
+            "exchange_id": ids, "session_id": [f"s{(number * 4 + i) % 50}" for i in range(4)], "seq": pa.array([number * 4 + i for i in range(4)], pa.int32()),
+            "api": ["openai_chat"] * 4, "action": ["generate"] * 4, "status": ["ok"] * 4,
+        }))
+    con.close()
+
+
+def one(db: Path, fanin: int) -> dict[str, float]:
+    """In a process of its own: open (merging what aged), close, open again and time the reads."""
+    from polar_mitm.store import Store
+    from polar_mitm.store.segments import exchanges_view_sql
+
+    wall, cpu = time.perf_counter(), time.process_time()
+    first = Store(db, merge_fanin=fanin)
+    while first._merging or not first._compactions.empty():
+        time.sleep(0.05)
+    first.close()
+    result = {"first_open_s": time.perf_counter() - wall, "first_open_cpu_s": time.process_time() - cpu}
+    started = time.perf_counter()
+    target = Store(db, merge_fanin=fanin)
+    result["open_s"] = time.perf_counter() - started
+    try:
+        con = target.con.cursor()
+        result["tables"] = len(target._segments) + len(target._merged) + len(target._journals)
+        result["rows"] = target.query(QUERIES["count"])[1][0][0]
+        for name, sql in QUERIES.items():
+            times = []
+            for _ in range(3):
+                started = time.perf_counter()
+                target.query(sql)
+                times.append(time.perf_counter() - started)
+            result[name] = min(times)
+        sql = exchanges_view_sql(target._segments, target._journals, target._merged)
+        started = time.perf_counter()
+        con.execute("BEGIN TRANSACTION")
+        con.execute(sql)
+        result["view_s"] = time.perf_counter() - started
+        con.execute("ROLLBACK")
+    finally:
+        target.close()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--segments", default="100,1000,3000")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--output", type=Path, default=ROOT / "bench" / "segments_results.md")
+    parser.add_argument("--one", nargs=2, help=argparse.SUPPRESS)  # DB FANIN: a single run, in this process
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(one(Path(args.one[0]), int(args.one[1]))))
+        return
+    folder = Path(tempfile.mkdtemp(prefix="polar-segments-"))
+    variants = {"merged (the defaults: 16 at a time, after 48 newer)": 16, "unmerged (merge_fanin 0)": 0}
+    lines = []
+    try:
+        for count in (int(n) for n in args.segments.split(",")):
+            source = folder / f"s{count}.duckdb"
+            started = time.perf_counter()
+            build(source, count)
+            print(f"{count} segments built in {time.perf_counter() - started:.1f} s", flush=True)
+            runs: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
+            for _ in range(args.rounds):
+                for name, fanin in variants.items():
+                    db = folder / f"run-{count}-{fanin}.duckdb"
+                    shutil.copy(source, db)
+                    done = subprocess.run([sys.executable, "-m", "bench.segments_bench", "--one", str(db), str(fanin)], cwd=ROOT, capture_output=True, text=True, timeout=1800)
+                    if done.returncode != 0:
+                        raise RuntimeError(f"{name} at {count} segments failed:\n{done.stderr[-3000:]}")
+                    runs[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+                    for path in folder.glob(f"run-{count}-{fanin}.duckdb*"):
+                        shutil.rmtree(path) if path.is_dir() else path.unlink()
+                    print(f"  {count} {name}: {runs[name][-1]}", flush=True)
+            for name, results in runs.items():
+                def med(key: str) -> float:
+                    return statistics.median(r[key] for r in results)  # noqa: B023 - used at once
+                lines.append(
+                    f"| {count:,} | {name} | {int(med('tables'))} | {med('first_open_s'):.1f} / {med('first_open_cpu_s'):.1f} | {med('open_s'):.2f} | "
+                    + " | ".join(f"{1000 * med(q):.0f}" for q in QUERIES) + f" | {1000 * med('view_s'):.0f} | {int(med('rows')):,} |"
+                )
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    header = (
+        f"Segments bench (`python -m bench.segments_bench`), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} cores; "
+        f"medians of {args.rounds} round(s).\n\n"
+        "| segments | store | tables in the view | first open, merging (s, wall / CPU) | open (s) | "
+        + " | ".join(f"query: {q} (ms)" for q in QUERIES) + " | view re-pointed (ms) | rows |\n"
+        + "|---" * (7 + len(QUERIES)) + "|\n"
+    )
+    text = header + "\n".join(lines) + "\n"
+    args.output.write_text(text)
+    print("\n" + text)
+
+
+if __name__ == "__main__":
+    main()
