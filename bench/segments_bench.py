@@ -1,6 +1,6 @@
 """A store's history against the cost of reading it: stores of many segments, with their segments merged as they age
-(the defaults: 16 tables of a level at a time, once 48 newer segments exist) and without (`merge_fanin` 0, as
-before merges), side by side in one run.
+(`merge_fanin` 16: 16 tables of a level at a time, once 48 newer segments exist) and without (`merge_fanin` 0, the
+default), side by side in one run.
 
     .venv/bin/python -m bench.segments_bench [--segments 100,1000,3000] [--rounds 2]
                                              [--output bench/segments_results.md]
@@ -100,7 +100,7 @@ def main() -> None:
         print(json.dumps(one(Path(args.one[0]), int(args.one[1]))))
         return
     folder = Path(tempfile.mkdtemp(prefix="polar-segments-"))
-    variants = {"merged (the defaults: 16 at a time, after 48 newer)": 16, "unmerged (merge_fanin 0)": 0}
+    variants = {"merged (merge_fanin 16, merge_after 48)": 16, "unmerged (merge_fanin 0)": 0}
     lines = []
     try:
         for count in (int(n) for n in args.segments.split(",")):

@@ -2,8 +2,8 @@
 thread, each segment listed by the writer in one transaction. A sealed journal's segment is written from its records
 (polar_mitm.store.commit_log), which never went into the journal table. A journal whose compaction failed (a full disk)
 stays a journal, in the view, and is queued again after the writer's next new journal; the compactor itself never
-dies of a failure. Between compactions it merges aged segments (`merge_fanin` tables of one level into one), so the
-view names a bounded number of tables however long the store has been written (segments.merge_segments)."""
+dies of a failure. With `merge_fanin` set (off by default) it also merges aged segments, `merge_fanin` tables of one
+level into one, so the view names a bounded number of tables however long the store is written (merge_segments)."""
 
 from __future__ import annotations
 

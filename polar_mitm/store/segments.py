@@ -22,12 +22,12 @@ bigger the store (86 -> 630 ms over the first 11 segments, measured); a new tabl
 
 But every query of the view binds each table it names, column by column (~0.5 ms a segment table of 46 columns):
 over 1,000 segments a query took 0.5-0.6 s and an open 3.6 s, and the writer re-pointed the view (at every new
-journal and segment) in 0.3 s; over 3,000, 2.3 s, 13 s and 1 s (bench/segments_bench.py). So segments are merged as
-they age (`merge_segments`, decided by the compactor): `fanin` tables of one level (a segment's own table is level 0,
-a merge of `fanin` level-L tables level L+1) become one `exchange_merged_NNNNNN` table, written once, with a `segment`
-column that keeps each row's segment; the list says where each segment's rows are (`stored_in`), and a segment's
-Parquet export is still its own rows. The view names a bounded number of tables; each row merged is copied once a
-level.
+journal and segment) in 0.3 s; over 3,000, 2.3 s, 13 s and 1 s (bench/segments_bench.py). So segments can be merged
+as they age (`merge_segments`, decided by the compactor; off by default: writer.MERGE_FANIN): `fanin` tables of one
+level (a segment's own table level 0) become one `exchange_merged_NNNNNN` table of the next, written once, with a
+`segment` column that keeps each row's segment; the list says where each segment's rows are (`stored_in`), and a
+segment's Parquet export is still its own rows. The view names a bounded number of tables; a row merged is copied
+once a level.
 
 Why tables, not Parquet files beside the database (schema 2): a view cannot name its own database's folder
 (table-function arguments must be constants), so a view over Parquet segments named them relative to the working

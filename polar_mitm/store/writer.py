@@ -75,11 +75,12 @@ open_stores: set[Path] = set()  # the files a Store of this process holds (by_pa
 MEMORY_MB = 512
 JOURNAL_MB = 32
 COMPACT_SLICE_MB = 8
-# segment tables merged as they age (Compaction._queue_merge), 16 of one level into one, once 48 newer segments exist:
-# the view then names at most ~64 segments' tables and ~15 merged ones a level, and a store of fewer than 64
-# segments (16,384 exchanges) copies no row; a row is copied once a level, ~1.4 ms of CPU each time for a chat-mode
-# row (bench/segments_bench.py, bench/compaction.py)
-MERGE_FANIN = 16
+# segment tables merged as they age (Compaction._queue_merge), `merge_fanin` of one level into one, once
+# `merge_after` newer segments exist. Off by default (0): with 16 the view names at most ~64 segments' tables and ~15
+# merged ones a level (a query over 3,000 segments 53 ms instead of 2.3 s, bench/segments_bench.py), but a merge of 16
+# segments of harness-sized rows raised a gateway's peak RSS by ~900 MB (bench/memory_bench.py: 1438 against 546 MB
+# at 64 sessions), and a row is copied once a level (~1.4 ms of CPU for a chat-mode row, bench/compaction.py)
+MERGE_FANIN = 0
 MERGE_AFTER = 48
 # after DuckDB invalidated the database (a write that failed mid-checkpoint: a full disk), how often the writer
 # tries to open the file again; commits meanwhile are refused at once
