@@ -124,9 +124,7 @@ class Store(Compaction, LoggedCommits):
         migrate_v1(self.con)
         for number in migrate_parquet_segments(self.con, self.segments_dir):
             log.info(f"polar-mitm: segment {number:06d} of {self.path} moved from its Parquet file into the store file (schema 2 to 3)")
-        self._segments, self._merged = segment_columns(self.con), merged_segments(self.con)
-        self._journals = sorted(int(name[len(JOURNAL_PREFIX):]) for name in tables(self.con) if re.fullmatch(JOURNAL_PREFIX + r"\d+", name))
-        self._next_number = max(next_segment(self.con), max(self._journals, default=0) + 1)
+        self._read_layout(self.con)
         self.merge_fanin, self.merge_after, self._merging = merge_fanin, merge_after, False
         self._compactions: queue.Queue[tuple[int, int | None, bool] | Merge | None] = queue.Queue()
         # merged tables are numbered on, past any a crash left unlisted (dropped just below)
@@ -318,9 +316,7 @@ class Store(Compaction, LoggedCommits):
             pass
         try:
             self.con = con = self._connect()
-            self._segments, self._merged = segment_columns(con), merged_segments(con)
-            self._journals = sorted(int(name[len(JOURNAL_PREFIX):]) for name in tables(con) if re.fullmatch(JOURNAL_PREFIX + r"\d+", name))
-            self._next_number = max(next_segment(con), max(self._journals, default=0) + 1)
+            self._read_layout(con)
             self._rotate(con)
         except Exception as error:  # noqa: BLE001 - still cannot write; tried again in REOPEN_EVERY_S
             self._invalid = error.with_traceback(None)
@@ -329,6 +325,13 @@ class Store(Compaction, LoggedCommits):
         self._compacting.clear()  # the compactor skips what it was given before and is not a journal any more
         self._queue_uncompacted()
         return True
+
+    def _read_layout(self, con: duckdb.DuckDBPyConnection) -> None:
+        """Where the rows are, as the file says (at open, and when it is opened again): segments in tables of their
+        own, merged tables, journals, and the next journal's number."""
+        self._segments, self._merged = segment_columns(con), merged_segments(con)
+        self._journals = sorted(int(name[len(JOURNAL_PREFIX):]) for name in tables(con) if re.fullmatch(JOURNAL_PREFIX + r"\d+", name))
+        self._next_number = max(next_segment(con), max(self._journals, default=0) + 1)
 
     def _trouble(self, doing: str, error: BaseException, refused: int = 0, compaction: bool = False) -> None:
         """A write failed: said once per episode (polar_mitm.store.trouble), not once per refused commit."""

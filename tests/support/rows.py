@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -33,6 +34,16 @@ def exchange_row(session: str, seq: int, prompt_len: int = 2000, rng: random.Ran
         "finish_reason": "stop", "prompt_tokens": prompt_len, "completion_tokens": len(sampled),
         "started_at": now(), "ended_at": now(),
     }
+
+
+def commit_in_order(target: Store, rows: list[ExchangeRow]) -> None:
+    """Commit `rows` one after another through the gateway's commit path, each durable before the next."""
+
+    async def commit_all() -> None:
+        for row in rows:
+            await target.commit_exchange(row)
+
+    asyncio.run(commit_all())
 
 
 def fill_the_disk_under(target: Store) -> None:

@@ -14,7 +14,7 @@ import pytest
 from polar_mitm import store
 from polar_mitm.store import Store, commit_log, compactor
 from polar_mitm.store.commit_log import CommitLog, commit_log_path, commit_logs, sealed_log_path
-from tests.support.rows import exchange_row
+from tests.support.rows import commit_in_order, exchange_row
 
 
 def _record(index: int) -> tuple:
@@ -139,14 +139,6 @@ def held_compactor(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     return release
 
 
-def _commit(target: Store, rows: list) -> None:
-    async def commit_all() -> None:
-        for row in rows:
-            await target.commit_exchange(row)
-
-    asyncio.run(commit_all())
-
-
 def _journal_count(target: Store, number: int) -> int:
     return target.con.cursor().execute(f"SELECT count(*) FROM {store.journal_table(number)}").fetchall()[0][0]
 
@@ -167,7 +159,7 @@ def test_a_segments_worth_becomes_a_segment_without_passing_through_a_journal(tm
     try:
         number = target._journals[-1]
         rows = [exchange_row("s", seq) for seq in range(1, 5)]
-        _commit(target, rows)
+        commit_in_order(target, rows)
         _wait(lambda: target._journals[-1] != number, "the seal (right after the acknowledgement, on the writer thread)")
         # sealed: the records in the journal's sealed log, the journal closed (a new one begun) and still empty
         assert [record[0] for record in CommitLog(sealed_log_path(db, number)).read()] == [row["exchange_id"] for row in rows]
@@ -195,7 +187,7 @@ def test_a_read_while_a_segment_is_written_moves_its_records_into_their_journal(
     try:
         number = target._journals[-1]
         rows = [exchange_row("s", seq) for seq in range(1, 7)]  # 4 sealed, 2 in the log being appended to
-        _commit(target, rows)
+        commit_in_order(target, rows)
         _wait(lambda: sealed_log_path(db, number).exists(), "the seal")
         assert sorted(r[0] for r in target.query("SELECT exchange_id FROM exchanges")[1]) == sorted(row["exchange_id"] for row in rows)
         assert _journal_count(target, number) == 4 and _journal_count(target, number + 1) == 2
@@ -219,7 +211,7 @@ def test_sealed_records_a_crash_left_come_back_at_the_next_open(tmp_path: Path, 
     number = target._journals[-1]
     rows = [exchange_row("s", seq) for seq in range(1, 7)]
     try:
-        _commit(target, rows)
+        commit_in_order(target, rows)
         _wait(lambda: sealed_log_path(db, number).exists(), "the seal")
         sealed, tail = sealed_log_path(db, number).read_bytes(), commit_log_path(db).read_bytes()
     finally:

@@ -17,15 +17,7 @@ import pytest
 from polar_mitm import store
 from polar_mitm.store import Store, compactor
 from polar_mitm.store.compactor import merge_level
-from tests.support.rows import exchange_row
-
-
-def _commit(target: Store, rows: list) -> None:
-    async def commit_all() -> None:
-        for row in rows:
-            await target.commit_exchange(row)
-
-    asyncio.run(commit_all())
+from tests.support.rows import commit_in_order, exchange_row
 
 
 def _settled(target: Store, segments: int) -> None:
@@ -44,7 +36,7 @@ def _unmerged_store(db: Path, rows: int) -> None:
     """A closed store of `rows` rows in segments of 2, none merged (as a version before merges wrote it)."""
     target = Store(db, segment_rows=2, merge_fanin=0)  # 0: never merge
     try:
-        _commit(target, [exchange_row("s", seq, prompt_len=20) for seq in range(1, rows + 1)])
+        commit_in_order(target, [exchange_row("s", seq, prompt_len=20) for seq in range(1, rows + 1)])
         _settled(target, rows // 2)
         assert len(_tables(target.con.cursor(), store.SEGMENT_PREFIX)) == rows // 2
     finally:
@@ -65,7 +57,7 @@ def test_aged_segments_are_merged_and_every_row_reads_back_once(tmp_path: Path) 
     rows = [exchange_row(f"s{seq % 3}", seq, prompt_len=50) for seq in range(1, 37)]
     target = Store(db, segment_rows=2, merge_fanin=3, merge_after=0)
     try:
-        _commit(target, rows)
+        commit_in_order(target, rows)
         _settled(target, 18)
         con = target.con.cursor()
         # 18 segments of 2 rows: two level-2 tables of 9 segments each; nothing left in a table of its own
@@ -141,13 +133,13 @@ def test_a_failed_merge_leaves_its_tables_in_the_view_and_the_next_one_goes_on(t
     try:
         blocked = f"{store.MERGED_PREFIX}{target._next_merged:06d}"
         target.execute_write(f"CREATE TABLE {blocked} (x INTEGER)")
-        _commit(target, [exchange_row("s", seq, prompt_len=20) for seq in range(1, 5)])
+        commit_in_order(target, [exchange_row("s", seq, prompt_len=20) for seq in range(1, 5)])
         deadline = time.monotonic() + 30
         while not said and time.monotonic() < deadline:
             time.sleep(0.02)
         assert said and "merging 2 segment tables" in said[0] and blocked in said[0]
         assert target.query("SELECT count(*), count(DISTINCT exchange_id) FROM exchanges")[1] == [(4, 4)]
-        _commit(target, [exchange_row("s", seq, prompt_len=20) for seq in range(5, 9)])
+        commit_in_order(target, [exchange_row("s", seq, prompt_len=20) for seq in range(5, 9)])
         _settled(target, 4)
         con = target.con.cursor()
         assert _tables(con, store.SEGMENT_PREFIX) == [] and con.execute(f"SELECT count(DISTINCT stored_in) FROM {store.SEGMENTS_TABLE}").fetchall() == [(1,)]
@@ -162,10 +154,10 @@ def test_the_newest_segments_keep_their_own_tables(tmp_path: Path) -> None:
     db = tmp_path / "s.duckdb"
     target = Store(db, segment_rows=2, merge_fanin=2, merge_after=3)
     try:
-        _commit(target, [exchange_row("s", seq, prompt_len=20) for seq in range(1, 9)])
+        commit_in_order(target, [exchange_row("s", seq, prompt_len=20) for seq in range(1, 9)])
         _settled(target, 4)
         assert _tables(target.con.cursor(), store.MERGED_PREFIX) == []  # 4 segments: 1 older than the newest 3
-        _commit(target, [exchange_row("s", seq, prompt_len=20) for seq in range(9, 17)])
+        commit_in_order(target, [exchange_row("s", seq, prompt_len=20) for seq in range(9, 17)])
         _settled(target, 8)
         con = target.con.cursor()
         own = {int(name[len(store.SEGMENT_PREFIX):]) for name in _tables(con, store.SEGMENT_PREFIX)}
@@ -183,7 +175,7 @@ def test_a_merged_table_made_before_a_column_existed_reads_it_as_null_and_merges
     db = tmp_path / "s.duckdb"
     target = Store(db, segment_rows=2, merge_fanin=2, merge_after=0)
     try:
-        _commit(target, [exchange_row("s", seq, prompt_len=20) for seq in range(1, 5)])
+        commit_in_order(target, [exchange_row("s", seq, prompt_len=20) for seq in range(1, 5)])
         _settled(target, 2)
         (older,) = _tables(target.con.cursor(), store.MERGED_PREFIX)
     finally:
@@ -196,7 +188,7 @@ def test_a_merged_table_made_before_a_column_existed_reads_it_as_null_and_merges
     target = Store(db, segment_rows=2, merge_fanin=2, merge_after=0)
     try:
         assert target.query("SELECT seq, harness FROM exchanges ORDER BY seq")[1] == [(seq, None) for seq in range(1, 5)]
-        _commit(target, [exchange_row("s", seq, prompt_len=20) for seq in range(5, 9)])
+        commit_in_order(target, [exchange_row("s", seq, prompt_len=20) for seq in range(5, 9)])
         _settled(target, 4)
         (merged,) = _tables(target.con.cursor(), store.MERGED_PREFIX)
         assert merged != older
