@@ -11,7 +11,9 @@ Each store is SYNTHETIC: `--segments` segments of 4 small rows each (50 sessions
 process of its own (the first open, which merges what aged: its time and CPU), and then again, where it is timed:
 the open, three queries on the `exchanges` view (one matching nothing, one session, a count of all), and the
 view's re-pointing (what the writer does at every new journal and segment: the CREATE VIEW, rolled back). The row
-size does not matter to those (DuckDB binds each table the view names, column by column); what a merge costs for
+size does not matter to those (DuckDB binds each table the view names, column by column), and reads of one session as
+a node makes them (`Store.query(..., session=)`, which binds only the tables listed as holding it: `recent`, in the
+newest 10 segments, and `s7`, in every 12th or so); what a merge costs for
 harness-sized rows is bench/compaction.py's to measure (`--rows 16640`: 65 segments, one merge of the oldest 16).
 """
 
@@ -35,6 +37,8 @@ QUERIES = {
     "one session": "SELECT count(*) FROM exchanges WHERE session_id = 's7'",
     "count": "SELECT count(*) FROM exchanges",
 }
+# a session in the newest 10 segments; one in every 12th or so (the synthetic cycle of 50 sessions)
+SESSION_READS = {"session read: recent": "recent", "session read: s7": "s7"}
 
 
 def build(db: Path, segments: int) -> None:
@@ -46,8 +50,11 @@ def build(db: Path, segments: int) -> None:
     store.ensure_schema(con)
     for number in range(segments):
         ids = [f"x{number}-{i}" for i in range(4)]
+        # 50 sessions cycling through every segment, but one row of each of the newest 10 segments is `recent`'s:
+        # a session of a real run, which lives through a few consecutive segments
+        sessions = [f"s{(number * 4 + i) % 50}" if i or number < segments - 10 else "recent" for i in range(4)]
         store.add_segment(con, pa.table({
-            "exchange_id": ids, "session_id": [f"s{(number * 4 + i) % 50}" for i in range(4)], "seq": pa.array([number * 4 + i for i in range(4)], pa.int32()),
+            "exchange_id": ids, "session_id": sessions, "seq": pa.array([number * 4 + i for i in range(4)], pa.int32()),
             "api": ["openai_chat"] * 4, "action": ["generate"] * 4, "status": ["ok"] * 4,
         }))
     con.close()
@@ -76,6 +83,14 @@ def one(db: Path, fanin: int) -> dict[str, float]:
             for _ in range(3):
                 started = time.perf_counter()
                 target.query(sql)
+                times.append(time.perf_counter() - started)
+            result[name] = min(times)
+        # a read of one session as a node makes it (Store.query(..., session=): only the tables holding it bound)
+        for name, session in SESSION_READS.items():
+            times = []
+            for _ in range(3):
+                started = time.perf_counter()
+                target.query("SELECT count(*) FROM exchanges", session=session)
                 times.append(time.perf_counter() - started)
             result[name] = min(times)
         sql = exchanges_view_sql(target._segments, target._journals, target._merged)
@@ -125,7 +140,7 @@ def main() -> None:
                     return statistics.median(r[key] for r in results)  # noqa: B023 - used at once
                 lines.append(
                     f"| {count:,} | {name} | {int(med('tables'))} | {med('first_open_s'):.1f} / {med('first_open_cpu_s'):.1f} | {med('open_s'):.2f} | "
-                    + " | ".join(f"{1000 * med(q):.0f}" for q in QUERIES) + f" | {1000 * med('view_s'):.0f} | {int(med('rows')):,} |"
+                    + " | ".join(f"{1000 * med(q):.0f}" for q in [*QUERIES, *SESSION_READS]) + f" | {1000 * med('view_s'):.0f} | {int(med('rows')):,} |"
                 )
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -133,8 +148,8 @@ def main() -> None:
         f"Segments bench (`python -m bench.segments_bench`), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} cores; "
         f"medians of {args.rounds} round(s).\n\n"
         "| segments | store | tables in the view | first open, merging (s, wall / CPU) | open (s) | "
-        + " | ".join(f"query: {q} (ms)" for q in QUERIES) + " | view re-pointed (ms) | rows |\n"
-        + "|---" * (7 + len(QUERIES)) + "|\n"
+        + " | ".join(f"query: {q} (ms)" for q in QUERIES) + " | " + " | ".join(f"{q} (ms)" for q in SESSION_READS) + " | view re-pointed (ms) | rows |\n"
+        + "|---" * (7 + len(QUERIES) + len(SESSION_READS)) + "|\n"
     )
     text = header + "\n".join(lines) + "\n"
     args.output.write_text(text)

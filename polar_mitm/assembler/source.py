@@ -104,7 +104,9 @@ def session_counts(read: store.StoreReader, session_ids: list[str]) -> dict[str,
     lists of its sessions."""
     if not session_ids:
         return {}
-    _, rows = read.query(COUNTS_SQL, [min(session_ids), max(session_ids), session_ids])
+    params = [min(session_ids), max(session_ids), session_ids]
+    # a gateway's store binds only the tables holding these sessions (polar_mitm.store.session_reads)
+    _, rows = read.query(COUNTS_SQL, params, session=session_ids) if isinstance(read, store.ExchangeStore) else read.query(COUNTS_SQL, params)
     return {row[0]: SessionCounts(int(row[1]), int(row[2]), int(row[3])) for row in rows}
 
 
@@ -131,7 +133,8 @@ EXCHANGE_SQL = (
 
 def load_exchanges(read: store.StoreReader, session_ids: list[str]) -> dict[str, list[Exchange]]:
     """The material exchanges of these sessions, in seq order per session."""
-    table = read.arrow(EXCHANGE_SQL, [min(session_ids), max(session_ids), session_ids])
+    params = [min(session_ids), max(session_ids), session_ids]
+    table = read.arrow(EXCHANGE_SQL, params, session=session_ids) if isinstance(read, store.ExchangeStore) else read.arrow(EXCHANGE_SQL, params)
     if table.num_rows == 0:
         return {}
     prompts = _arrays(table.column("prompt_token_ids"), np.int32)

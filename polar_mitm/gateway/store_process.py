@@ -46,6 +46,7 @@ from polar_mitm.engines.base import TokenIds, WireJSON
 from polar_mitm.store import ExchangeRow, NodeSnapshot, Store, control_file, live_holder
 from polar_mitm.store.reading import Rows
 from polar_mitm.store.session_counts import IssuedSeqs
+from polar_mitm.store.session_reads import Sessions
 
 log = logging.getLogger("polar_mitm.gateway")
 
@@ -182,12 +183,12 @@ class StoreProcess:
         self._call("execute_write", sql, params)
 
     # -- reads and the rest, answered by the child's Store
-    def query(self, sql: str, params: list[Any] | None = None) -> Rows:
-        result: Rows = self._call("query", sql, params)
+    def query(self, sql: str, params: list[Any] | None = None, session: Sessions | None = None) -> Rows:
+        result: Rows = self._call("query", sql, params, session)
         return result
 
-    def arrow(self, sql: str, params: list[Any] | None = None) -> pa.Table:
-        result: pa.Table = self._call("arrow", sql, params)
+    def arrow(self, sql: str, params: list[Any] | None = None, session: Sessions | None = None) -> pa.Table:
+        result: pa.Table = self._call("arrow", sql, params, session)
         return result
 
     def snapshot(self, node: str, out_dir: Path | None = None) -> NodeSnapshot:

@@ -28,7 +28,7 @@ from polar_mitm.exchange import Completion, EngineRecord, Notes
 from polar_mitm.render import bridge, parsers, token_engine
 from polar_mitm.render.renderer import Renderer
 from polar_mitm.store import now
-from polar_mitm.store.reading import StoreReader
+from polar_mitm.store.reading import ExchangeStore
 
 log = logging.getLogger("polar_mitm.render")
 
@@ -46,7 +46,7 @@ class TokenPath:
 
     def __init__(
         self, engine: EngineClient, model: str | None = None, tool_format: str = parsers.AUTO,
-        stored: Callable[[], StoreReader | None] | None = None, fallback: bool = False, lineage_bytes: int = bridge.MAX_LINEAGE_BYTES,
+        stored: Callable[[], ExchangeStore | None] | None = None, fallback: bool = False, lineage_bytes: int = bridge.MAX_LINEAGE_BYTES,
     ):
         if tool_format != parsers.AUTO:
             parsers.TOOL_PARSERS.get(tool_format)  # an unknown format: ConfigError naming the valid ones, before any request
@@ -215,11 +215,11 @@ class TokenPath:
         if reader is None or not wanted:
             return None, 0
         sql = (
-            "SELECT bridge_key, exchange_id, prompt_token_ids, completion_token_ids FROM exchanges WHERE session_id = ? "
-            f"AND status = 'ok' AND bridge_key IN ({', '.join('?' for _ in wanted)}) ORDER BY seq DESC"
+            "SELECT bridge_key, exchange_id, prompt_token_ids, completion_token_ids FROM exchanges "
+            f"WHERE status = 'ok' AND bridge_key IN ({', '.join('?' for _ in wanted)}) ORDER BY seq DESC"
         )
         try:
-            _, rows = reader.query(sql, [session_id, *(digest for _, digest in wanted)])
+            _, rows = reader.query(sql, [digest for _, digest in wanted], session=session_id)
         except Exception as error:  # noqa: BLE001 - the store in trouble (its writer reports that): a full render
             log.warning(f"polar-mitm: tokens mode could not read session {session_id}'s lineage from the store: {error}")
             return None, 0

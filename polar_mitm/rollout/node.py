@@ -77,7 +77,7 @@ class NodeConfig(BaseModel):
 ROLLOUT_COUNTS = f"""
     SELECT count(*) FILTER (WHERE output_parse_error IS NOT NULL), count(*) FILTER (WHERE render_mode = 'tokens'),
            count(*) FILTER (WHERE bridged), count(*) FILTER (WHERE render_mode = 'tokens' AND bridge_reason IS DISTINCT FROM 'first_turn')
-    FROM exchanges WHERE session_id = ? AND {MATERIAL}"""
+    FROM exchanges WHERE {MATERIAL}"""  # of one session: Store.query(..., session=)
 PORT_ATTEMPTS = 3  # free ports tried when the one picked is taken before the gateway binds it
 ENGINE_PROBE_SECONDS = 5.0  # between the node's checks that its engine(s) answer
 ENGINE_PROBE_TIMEOUT = 3.0
@@ -307,7 +307,7 @@ class GatewayNode:
         return await runtimes.create(SandboxSpec(sandbox_id=work.session_id, runtime=work.request.runtime, gateway=access, owner=self.config.sandbox_owner))
 
     async def count_exchanges(self, session_id: str) -> int:
-        _, rows = await asyncio.to_thread(self.store.query, "SELECT count(*) FROM exchanges WHERE session_id = ?", [session_id])
+        _, rows = await asyncio.to_thread(self.store.query, "SELECT count(*) FROM exchanges", None, session_id)
         return int(rows[0][0])
 
     async def settle_exchanges(self, session_id: str, timeout: float) -> int:
@@ -321,7 +321,7 @@ class GatewayNode:
             await asyncio.sleep(0.05)
 
     async def exchange_outcomes(self, session_id: str) -> ExchangeOutcomes:
-        _, rows = await asyncio.to_thread(self.store.query, "SELECT status, count(*), any_value(error) FROM exchanges WHERE session_id = ? GROUP BY status", [session_id])
+        _, rows = await asyncio.to_thread(self.store.query, "SELECT status, count(*), any_value(error) FROM exchanges GROUP BY status", None, session_id)
         return {str(status): (int(count), error) for status, count, error in rows}
 
     async def build(self, session_id: str, builder: str, options: dict[str, Any]) -> TrajectorySummary:
@@ -340,7 +340,7 @@ class GatewayNode:
     def _build(self, session_id: str, builder: str, options: dict[str, Any], policy_version: int | None = None) -> TrajectorySummary:
         from polar_mitm.assembler import assemble
 
-        _, [(parse_failures, tokens_rows, bridged, bridgeable)] = self.store.query(ROLLOUT_COUNTS, [session_id])
+        _, [(parse_failures, tokens_rows, bridged, bridgeable)] = self.store.query(ROLLOUT_COUNTS, session=session_id)
         counts = {
             "tool_call_parse_failures": int(parse_failures), "tokens_mode_exchanges": int(tokens_rows),
             "bridged_fraction": round(bridged / bridgeable, 4) if bridgeable else None, "policy_version": policy_version,

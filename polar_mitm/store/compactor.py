@@ -47,6 +47,11 @@ COMPACTION_BACKLOG = 2
 # sealed journals (their records wait in files, not in memory) may queue further behind a merge: one of 16 segments
 # of 256 harness-sized rows takes the compactor ~5 s
 SEALED_BACKLOG = 16
+# the most rows one merge copies: DuckDB holds a table's newest row group (up to 122,880 rows) in memory until it is
+# committed and checkpointed, outside its memory limit, so a merge's memory grows with its rows (16 segments of 256
+# chat-mode rows of 172 KB: +1.2 GB, docs/store.md). Beyond it a level is not merged on: 16 of those merged tables
+# would be 65,536 rows at once. Tables of smaller segments still merge up to this many rows.
+MERGE_ROWS = 4096
 
 
 @dataclass(frozen=True)
@@ -167,13 +172,22 @@ class Compaction:
             levels.setdefault(merge_level(len(held.segments), self.merge_fanin), []).append((min(held.segments), table))
         for level in sorted(levels):
             oldest = sorted(levels[level])[: self.merge_fanin]
-            if len(oldest) == self.merge_fanin:
+            if len(oldest) == self.merge_fanin and self._rows_of(oldest) <= MERGE_ROWS:
                 table = f"{MERGED_PREFIX}{self._next_merged:06d}"
                 self._next_merged += 1
                 self._merging = True
                 merged = {m: self._merged[m].columns for _, m in oldest if isinstance(m, str)}
                 self._compactions.put(Merge(table, tuple(m for _, m in oldest if isinstance(m, int)), merged))
                 return
+
+    def _rows_of(self, tables: list[tuple[int, int | str]]) -> int:
+        """The rows these segment tables (by number) and merged tables (by name) hold, as the segment list says."""
+        numbers = [t for _, t in tables if isinstance(t, int)] + [n for _, t in tables if isinstance(t, str) for n in self._merged[t].segments]
+        cursor = self.con.cursor()
+        try:
+            return int(cursor.execute(f"SELECT coalesce(sum(rows), 0) FROM {SEGMENTS_TABLE} WHERE list_contains(?, segment)", [numbers]).fetchall()[0][0])
+        finally:
+            cursor.close()
 
     def _install_merge(self, con: duckdb.DuckDBPyConnection, merge: Merge) -> None:
         """List the merged table as where its segments are, re-point the view and drop the tables merged, in one

@@ -28,6 +28,7 @@ from polar_mitm.store.by_path import query as query_path
 from polar_mitm.store.by_path import recover
 from polar_mitm.store.schema import ExchangeRow
 from polar_mitm.store.segments import connect, fetch, fetch_arrow
+from polar_mitm.store.session_reads import Sessions
 from polar_mitm.store.snapshots import NodeSnapshot, snapshot_dir, snapshot_store
 
 # (column names, rows): rows are tuples in this process, lists when they came through a gateway as JSON
@@ -67,6 +68,15 @@ class ExchangeStore(SnapshotSource, Protocol):
     (polar_mitm.gateway.store_process) in a process of its own. Commits return once the row is durable."""
 
     path: Path
+
+    def query(self, sql: str, params: list[Any] | None = None, session: Sessions | None = None) -> Rows:
+        """As StoreReader's; `session`: `exchanges` in `sql` is that session's rows alone, read from only the tables
+        that hold them (polar_mitm.store.session_reads: a long store's thousands of segment tables are not bound)."""
+        ...
+
+    def arrow(self, sql: str, params: list[Any] | None = None, session: Sessions | None = None) -> pa.Table:
+        """As `query`, as an Arrow table."""
+        ...
 
     def next_seq(self, session_id: str) -> int:
         """The next exchange's seq in the session (issued in memory: the event loop never waits for it)."""

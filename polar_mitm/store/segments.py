@@ -186,7 +186,7 @@ _SEGMENT_NAME = re.compile(r"\d{6}(-[0-9a-f]{16})?\.parquet(\.[0-9-]+)?(\.tmp)?"
 
 
 def register_segment(con: duckdb.DuckDBPyConnection, number: int, file: str, rows: int) -> None:
-    con.execute(f"INSERT INTO {SEGMENTS_TABLE} (segment, file, rows, created_at) VALUES (?, ?, ?, ?)", [number, file, rows, now()])
+    con.execute(f"INSERT INTO {SEGMENTS_TABLE} (segment, file, rows, created_at, sessions) VALUES (?, ?, ?, ?, (SELECT list(DISTINCT session_id) FROM {segment_table(number)}))", [number, file, rows, now()])
 
 
 def listed_segments(con: duckdb.DuckDBPyConnection) -> list[tuple[int, str]]:
@@ -292,8 +292,8 @@ def ensure_schema(con: duckdb.DuckDBPyConnection) -> None:
     the view."""
     create_table(con, "sessions", SESSION_COLUMNS)
     create_table(con, MARKS_TABLE, MARK_COLUMNS)
-    # stored_in: the merged table that holds the segment's rows (NULL: its own table, segment_table)
-    create_table(con, SEGMENTS_TABLE, {"segment": "INTEGER PRIMARY KEY", "file": "VARCHAR NOT NULL", "rows": "BIGINT", "created_at": "TIMESTAMPTZ", "stored_in": "VARCHAR"})
+    # stored_in: the merged table holding its rows (NULL: its own); sessions: those in it (NULL: listed before)
+    create_table(con, SEGMENTS_TABLE, {"segment": "INTEGER PRIMARY KEY", "file": "VARCHAR NOT NULL", "rows": "BIGINT", "created_at": "TIMESTAMPTZ", "stored_in": "VARCHAR", "sessions": "VARCHAR[]"})
     con.execute("CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR)")
 
 

@@ -61,6 +61,7 @@ from polar_mitm.store.segments import (
     write_view,
 )
 from polar_mitm.store.session_counts import READS_SESSIONS, RECOUNT_NEW_SESSIONS, RECOUNT_SESSIONS, SessionCounters
+from polar_mitm.store.session_reads import Sessions, fetch_session, fetch_session_arrow
 from polar_mitm.store.snapshots import NodeSnapshot, snapshot_dir, snapshot_store
 from polar_mitm.store.trouble import WriteTrouble, invalidates, one_line
 
@@ -437,16 +438,20 @@ class Store(Compaction, LoggedCommits):
         return full[-1] if full else None
 
     # -- reads (any thread)
-    def query(self, sql: str, params: list[Any] | None = None) -> tuple[list[str], list[tuple[Any, ...]]]:
+    def query(self, sql: str, params: list[Any] | None = None, session: Sessions | None = None) -> tuple[list[str], list[tuple[Any, ...]]]:
+        """`session`: `exchanges` is that session's rows, read from only the tables holding them (session_reads)."""
         self._counted(sql)
         with self._cache.reading():
-            return fetch(self.con, sql, params)
+            return fetch(self.con, sql, params) if session is None else fetch_session(self.con, session, sql, params, self._known_columns())
 
-    def arrow(self, sql: str, params: list[Any] | None = None) -> pa.Table:
+    def arrow(self, sql: str, params: list[Any] | None = None, session: Sessions | None = None) -> pa.Table:
         """The result of read-only SQL as an Arrow table (list columns as Arrow buffers, no Python object per value)."""
         self._counted(sql)
         with self._cache.reading():
-            return fetch_arrow(self.con, sql, params)
+            return fetch_arrow(self.con, sql, params) if session is None else fetch_session_arrow(self.con, session, sql, params, self._known_columns())
+
+    def _known_columns(self) -> dict[int | str, tuple[str, ...]]:
+        return {**self._segments, **{table: held.columns for table, held in self._merged.items()}}
 
     def snapshot(self, node: str, out_dir: Path | None = None) -> NodeSnapshot:
         """The store as Parquet files at one instant (polar_mitm.store.snapshots), while the writer goes on: the

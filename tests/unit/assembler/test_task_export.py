@@ -104,6 +104,10 @@ def test_a_task_assembles_as_in_the_whole_store_in_one_pass(task_store: Store) -
     assert recorded.sessions_named() - {"task-main"} <= set(WANTED) | set(MAIN)
     assert all(any(isinstance(param, list) for param in params) for _, params in recorded.calls)  # no call reads the whole store
 
+    # the node's Store itself: its reads of these sessions bind only the segment tables listed as holding them
+    direct = assemble(store=task_store, session_ids=WANTED)
+    assert _by_id(direct) == _by_id(scoped) and direct.groups == scoped.groups and direct.stats == scoped.stats
+
 
 def test_the_calls_do_not_grow_with_the_sessions_asked_for(task_store: Store) -> None:
     one, four = Recorded(task_store), Recorded(task_store)

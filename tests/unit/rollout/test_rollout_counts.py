@@ -28,7 +28,7 @@ def test_parse_failures_tokens_mode_and_bridged_turns_are_counted_over_material(
 
     try:
         asyncio.run(commit())
-        assert store.query(ROLLOUT_COUNTS, ["s"])[1] == [(1, 3, 1, 2)]  # parse failures, tokens rows, bridged, could be
-        assert store.query(ROLLOUT_COUNTS, ["other"])[1] == [(0, 0, 0, 0)]
+        assert store.query(ROLLOUT_COUNTS, session="s")[1] == [(1, 3, 1, 2)]  # parse failures, tokens rows, bridged, could be
+        assert store.query(ROLLOUT_COUNTS, session="other")[1] == [(0, 0, 0, 0)]
     finally:
         store.close()

@@ -236,3 +236,30 @@ def test_commits_go_on_while_a_merge_holds_the_compactor(tmp_path: Path, monkeyp
     finally:
         release.set()
         target.close()
+
+
+def test_a_merge_copies_at_most_merge_rows_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DuckDB holds a merged table's rows in memory until they are checkpointed, so a level whose next merge would
+    copy more than MERGE_ROWS rows is not merged on (a second level of 16 x 16 harness-sized segments: ~19 GB)."""
+    monkeypatch.setattr(compactor, "MERGE_ROWS", 4)
+    target = Store(tmp_path / "s.duckdb", segment_rows=2, merge_fanin=2, merge_after=0)
+    try:
+        rows = [exchange_row("s", seq, prompt_len=20) for seq in range(1, 17)]
+        commit_in_order(target, rows)
+        _settled(target, 8)
+        held = sorted(len(t.segments) for t in target._merged.values())
+        assert held == [2, 2, 2, 2], held  # eight segments in four merged tables of 4 rows; none of 8
+        assert target.query("SELECT count(*) FROM exchanges")[1] == [(16,)]
+    finally:
+        target.close()
+    monkeypatch.setattr(compactor, "MERGE_ROWS", 8)
+    target = Store(tmp_path / "s.duckdb", segment_rows=2, merge_fanin=2, merge_after=0)
+    try:
+        _settled(target, 8)
+        deadline = time.monotonic() + 30
+        while sorted(len(t.segments) for t in target._merged.values()) != [4, 4] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sorted(len(t.segments) for t in target._merged.values()) == [4, 4]  # allowed more, the next level merges at open
+        assert target.query("SELECT count(*) FROM exchanges")[1] == [(16,)]
+    finally:
+        target.close()
