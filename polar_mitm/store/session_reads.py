@@ -15,9 +15,11 @@ the tables it names are the ones the view named at that instant: each row exactl
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import duckdb
@@ -25,7 +27,17 @@ import pyarrow as pa
 
 from polar_mitm.store.records import JOURNAL_PREFIX
 from polar_mitm.store.schema import quote
-from polar_mitm.store.segments import SEGMENT_COLUMNS, SEGMENTS_TABLE, MergedTable, exchanges_view_sql
+from polar_mitm.store.segments import (
+    SEGMENT_COLUMNS,
+    SEGMENTS_TABLE,
+    MergedTable,
+    exchanges_view_sql,
+    segment_table,
+    tables,
+    transaction,
+)
+
+log = logging.getLogger("polar_mitm.store")
 
 Sessions = str | Sequence[str]  # one session's id, or several
 VIEW_PREFIX = "CREATE OR REPLACE VIEW exchanges AS "
@@ -48,6 +60,29 @@ def session_rows_sql(con: duckdb.DuckDBPyConnection, sessions: Sessions, known: 
             merged[stored_in] = held._replace(segments=(*held.segments, number))
     view = exchanges_view_sql(segments, sorted(int(name[len(JOURNAL_PREFIX):]) for (name,) in journals if name[len(JOURNAL_PREFIX):].isdigit()), merged)
     return f"SELECT * FROM ({view.removeprefix(VIEW_PREFIX)}) WHERE session_id IN ({', '.join(map(quote, wanted)) or 'NULL'})"
+
+
+def list_sessions(con: duckdb.DuckDBPyConnection, db: Path) -> int:
+    """Name the sessions of each listed segment whose listing does not name them yet (listed before the column was:
+    a store of an earlier version, at its first open by a writer), reading only their tables' `session_id` columns;
+    returns how many segments were named. One small statement a table (~1 ms; one statement over hundreds of tables
+    took ~5 ms a table to plan, measured at 3,000 segments)."""
+    unnamed = con.execute(f"SELECT segment, stored_in FROM {SEGMENTS_TABLE} WHERE sessions IS NULL ORDER BY segment").fetchall()
+    if not unnamed:
+        return 0
+    present = tables(con)
+    found = [(n, con.execute(f"SELECT list(DISTINCT session_id) FROM {segment_table(n)}").fetchall()[0][0]) for n, where in unnamed if where is None and segment_table(n) in present]
+    for table in sorted({where for _, where in unnamed if where is not None and where in present}):
+        found += con.execute(f"SELECT segment, list(DISTINCT session_id) FROM {table} GROUP BY segment").fetchall()
+    with transaction(con):
+        con.execute(
+            f"UPDATE {SEGMENTS_TABLE} SET sessions = found.sessions FROM (SELECT unnest(?::INTEGER[]) AS segment, unnest(?::VARCHAR[][]) AS sessions) found "
+            f"WHERE {SEGMENTS_TABLE}.segment = found.segment AND {SEGMENTS_TABLE}.sessions IS NULL",
+            [[n for n, _ in found], [sessions or [] for _, sessions in found]],
+        )
+    if found:
+        log.info(f"polar-mitm: the sessions of {len(found)} segments of {db} listed (segments listed before sessions were)")
+    return len(found)
 
 
 def with_session_rows(sql: str, rows: str) -> str:

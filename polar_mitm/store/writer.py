@@ -61,7 +61,7 @@ from polar_mitm.store.segments import (
     write_view,
 )
 from polar_mitm.store.session_counts import READS_SESSIONS, RECOUNT_NEW_SESSIONS, RECOUNT_SESSIONS, SessionCounters
-from polar_mitm.store.session_reads import Sessions, fetch_session, fetch_session_arrow
+from polar_mitm.store.session_reads import Sessions, fetch_session, fetch_session_arrow, list_sessions
 from polar_mitm.store.snapshots import NodeSnapshot, snapshot_dir, snapshot_store
 from polar_mitm.store.trouble import WriteTrouble, invalidates, one_line
 
@@ -113,8 +113,7 @@ class Store(Compaction, LoggedCommits):
         records peaked 1.35 GB at 512 sessions against 1.0-1.06 GB for 64, at the same CPU (bench/memory_bench.py)."""
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.segments_dir = segments_dir(self.path)
-        self.segment_rows = segment_rows
+        self.segments_dir, self.segment_rows = segments_dir(self.path), segment_rows
         self.memory_mb, self.journal_bytes_max, self.slice_bytes = memory_mb, journal_mb << 20, compact_slice_mb << 20
         self.trouble = WriteTrouble(self.path, report or (lambda message: log.warning(f"polar-mitm: {message}")))
         self.compaction_trouble = WriteTrouble(self.path, self.trouble.report, compaction=True)
@@ -125,6 +124,7 @@ class Store(Compaction, LoggedCommits):
         migrate_v1(self.con)
         for number in migrate_parquet_segments(self.con, self.segments_dir):
             log.info(f"polar-mitm: segment {number:06d} of {self.path} moved from its Parquet file into the store file (schema 2 to 3)")
+        list_sessions(self.con, self.path)  # what reads of one session bind by, for segments listed before it was
         self._read_layout(self.con)
         self.merge_fanin, self.merge_after, self._merging = merge_fanin, merge_after, False
         self._compactions: queue.Queue[tuple[int, int | None, bool] | Merge | None] = queue.Queue()

@@ -69,24 +69,36 @@ def test_a_session_read_gives_the_views_rows_from_only_the_tables_holding_them(t
         target.close()
 
 
-def test_segments_listed_before_sessions_were_are_always_read(tmp_path: Path) -> None:
+def test_segments_listed_before_sessions_were_are_read_until_a_writer_lists_them(tmp_path: Path) -> None:
     db = tmp_path / "s.duckdb"
-    target = Store(db, segment_rows=4, merge_fanin=0)
+    target = Store(db, segment_rows=4, merge_fanin=2, merge_after=1)
     try:
         commit_in_order(target, _rows(4, 4))
         _settled(target, 4)
+        assert target._merged, "the test needs a merged table"
     finally:
         target.close()
     con = duckdb.connect(str(db))
-    con.execute(f"UPDATE {store.SEGMENTS_TABLE} SET sessions = NULL WHERE segment <= 2")  # as an older version listed them
+    con.execute(f"UPDATE {store.SEGMENTS_TABLE} SET sessions = NULL")  # as an earlier version listed them
+    # a reader of such a store reads every segment whose listing names no session, merged or not
+    con.execute("BEGIN TRANSACTION")
+    named = _named(session_rows_sql(con, "nobody", {}))
+    assert {n for n in named if not n.startswith("exchange_journal_")} == {*(store.segment_table(n) for n in (3, 4)), *_tables(con, "exchange_merged_")}
+    assert len(con.execute(with_session_rows("SELECT * FROM exchanges", session_rows_sql(con, "s1", {}))).fetchall()) == 4
+    con.execute("ROLLBACK")
     con.close()
-    target = Store(db, segment_rows=4, merge_fanin=0)
+    target = Store(db, segment_rows=4, merge_fanin=0)  # its first open lists them
     try:
-        named = _named(session_rows_sql(target.con.cursor(), "nobody", {}))
-        assert {n for n in named if n.startswith(store.SEGMENT_PREFIX)} == {store.segment_table(1), store.segment_table(2)}
+        listed = target.query(f"SELECT segment, list_sort(sessions) FROM {store.SEGMENTS_TABLE} ORDER BY segment")[1]
+        assert listed == [(n, ["s0", "s1", "s2", "s3"]) for n in (1, 2, 3, 4)]
+        assert not {n for n in _named(session_rows_sql(target.con.cursor(), "nobody", {})) if not n.startswith("exchange_journal_")}
         assert [len(target.query(IDS, [s], session=s)[1]) for s in ("s0", "s1", "s2", "s3")] == [4, 4, 4, 4]
     finally:
         target.close()
+
+
+def _tables(con: duckdb.DuckDBPyConnection, prefix: str) -> set[str]:
+    return {name for (name,) in con.execute(f"SELECT table_name FROM duckdb_tables() WHERE starts_with(table_name, '{prefix}')").fetchall()}
 
 
 def test_merged_segments_are_read_through_their_merged_table(tmp_path: Path) -> None:
