@@ -128,10 +128,10 @@ def connect(db_path: str | os.PathLike[str], read_only: bool = False) -> duckdb.
     """Open a store's DuckDB file. A store of this schema needs nothing more (any client opens it bare); one of
     schema 2 that no writer has opened since (read-only here) names its Parquet segments relative to its folder, so
     DuckDB's `file_search_path` is set to that folder for the whole database instance (SET GLOBAL, not a
-    connect-time config: DuckDB refuses a second connection to a file with a config that differs from the first).
-    """
+    connect-time config: DuckDB refuses a second connection to a file with a config that differs from the first)."""
     folder = store_folder(db_path)
     con = duckdb.connect(str(db_path), read_only=read_only)
+    con.execute("SET enable_progress_bar = false")  # else a statement past 2 s draws one on stdout: in `polar-mitm sql`'s rows
     if "," not in str(folder):  # file_search_path is a comma-separated list, with no quoting
         con.execute("SET GLOBAL file_search_path = ?", [str(folder)])
     return con

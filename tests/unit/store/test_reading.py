@@ -139,3 +139,20 @@ def test_a_type_checker_accepts_each_reader_as_the_protocol(tmp_path: Path, monk
     assert status == 0, out
     status, out = mypy(BROKEN)
     assert status == 1 and 'expression has type "UnionStore", variable has type "SnapshotSource"' in out, out
+
+
+def test_no_reader_draws_duckdbs_progress_bar(tmp_path: Path) -> None:
+    """DuckDB draws a progress bar on stdout for any statement past 2 s: in `polar-mitm sql`'s output (a script's
+    CSV), and in a gateway's log while it opens a long store. Every connection the store makes has it off, cursors
+    too. In a process of its own, as a user's: DuckDB's own default is on there, off under pytest's capture."""
+    db = tmp_path / "s.duckdb"
+    Store(db).close()
+    setting = "SELECT current_setting('enable_progress_bar')"
+    code = (
+        "import sys; from polar_mitm.store import Store; from polar_mitm.store.segments import connect\n"
+        f"live = Store(sys.argv[1]); print(live.con.execute({setting!r}).fetchall(), live.con.cursor().execute({setting!r}).fetchall()); live.close()\n"
+        f"print(connect(sys.argv[1], read_only=True).cursor().execute({setting!r}).fetchall())"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(db)], capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[3])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["[(False,)] [(False,)]", "[(False,)]"]
