@@ -156,6 +156,8 @@ class PolarAddon:
             self.secret = session.load_secret(ctx.options.confdir)
         if "polar_keepalive_interval" in updated and ctx.options.polar_keepalive_interval < 0:
             raise exceptions.OptionsError("polar_keepalive_interval must be 0 (off) or positive")
+        if "polar_store_merge_fanin" in updated and ctx.options.polar_store_merge_fanin not in (0, *range(2, 1 << 16)):
+            raise exceptions.OptionsError("polar_store_merge_fanin must be 0 (off) or at least 2 (tables merged at a time)")
         for name in updated & {"polar_store_memory_mb", "polar_store_journal_mb", "polar_store_compact_slice_mb"}:
             if getattr(ctx.options, name) < 0:
                 raise exceptions.OptionsError(f"{name} must be 0 (DuckDB's default / no limit) or positive")
@@ -164,7 +166,7 @@ class PolarAddon:
         db = Path(ctx.options.polar_db)
         try:
             # the store says in one line when it cannot write and when it writes again (not a line per request)
-            bounds = (ctx.options.polar_store_memory_mb, ctx.options.polar_store_journal_mb, ctx.options.polar_store_compact_slice_mb)
+            bounds = (ctx.options.polar_store_memory_mb, ctx.options.polar_store_journal_mb, ctx.options.polar_store_compact_slice_mb, ctx.options.polar_store_merge_fanin)
             self.store = StoreProcess(db, *bounds, self._tell) if ctx.options.polar_store_process else open_when_readers_leave(db, *bounds, self._tell)
             self.store.serve_sql(ctx.options.polar_sql_port)
         except Exception as error:  # noqa: BLE001 - a startup failure, told in one line (errorcheck exits)

@@ -19,12 +19,12 @@ from polar_mitm.store.by_path import live_endpoint, live_holder
 READER_LOCK_WAIT_S = 15.0
 
 
-def open_when_readers_leave(db: Path, memory_mb: int, journal_mb: int, compact_slice_mb: int, report: Callable[[str], None]) -> Store:
-    """The gateway's store, with its memory bounds (gateway/options.py: store_memory_mb, store_journal_mb, ...)."""
+def open_when_readers_leave(db: Path, memory_mb: int, journal_mb: int, compact_slice_mb: int, merge_fanin: int, report: Callable[[str], None]) -> Store:
+    """The gateway's store, with its bounds and merges (gateway/options.py: store_memory_mb, ..., store_merge_fanin)."""
     deadline = time.monotonic() + READER_LOCK_WAIT_S
     while True:
         try:
-            return Store(db, memory_mb=memory_mb, journal_mb=journal_mb, compact_slice_mb=compact_slice_mb, report=report)
+            return Store(db, memory_mb=memory_mb, journal_mb=journal_mb, compact_slice_mb=compact_slice_mb, report=report, merge_fanin=merge_fanin)
         except duckdb.IOException as error:
             if "lock" not in str(error).lower() or live_endpoint(db) is not None or time.monotonic() > deadline:
                 raise

@@ -122,12 +122,12 @@ class StoreProcess:
     """The gateway's side of a store in its own process: an ExchangeStore. Methods are safe from any thread;
     `commit_exchange` and `commit_mark` from an event loop."""
 
-    def __init__(self, db: Path, memory_mb: int, journal_mb: int, compact_slice_mb: int, report: Callable[[str], None]):
+    def __init__(self, db: Path, memory_mb: int, journal_mb: int, compact_slice_mb: int, merge_fanin: int, report: Callable[[str], None]):
         """Start the child and wait until its store is open (opening may wait for a reader's lock, as
         open_when_readers_leave does); raises the child's error if it could not open it."""
         self.path = Path(db)
         self.report = report
-        self._config = {"db": str(db), "memory_mb": memory_mb, "journal_mb": journal_mb, "compact_slice_mb": compact_slice_mb}
+        self._config = {"db": str(db), "memory_mb": memory_mb, "journal_mb": journal_mb, "compact_slice_mb": compact_slice_mb, "merge_fanin": merge_fanin}
         self._ids = itertools.count(1)
         self._waiting: dict[int, Callable[[BaseException | None, Any], None]] = {}
         self._waiting_lock = threading.Lock()
@@ -351,7 +351,7 @@ def serve(sock: socket.socket) -> None:
         return
     try:
         store = open_when_readers_leave(
-            Path(config["db"]), config["memory_mb"], config["journal_mb"], config["compact_slice_mb"], lambda message: send(("report", message)),
+            Path(config["db"]), config["memory_mb"], config["journal_mb"], config["compact_slice_mb"], config["merge_fanin"], lambda message: send(("report", message)),
         )
     except Exception as error:  # noqa: BLE001 - the gateway says why, in its own words (startup.why_not_opened)
         send(("failed", _sendable(error)))

@@ -157,6 +157,11 @@ class Compaction:
             sealed_log_path(self.path, number).unlink(missing_ok=True)  # its records are the segment now
         self._queue_merge()
 
+    def _set_merges(self, fanin: int, after: int) -> None:
+        if fanin == 1 or fanin < 0 or after < 0:
+            raise ValueError(f"merge_fanin {fanin}, merge_after {after}: a merge takes at least 2 tables (0: no merges), after 0 or more segments")
+        self.merge_fanin, self.merge_after, self._merging = fanin, after, False
+
     def _queue_merge(self) -> None:
         """Queue the next merge, if one is due and none is queued (writer thread, or before the threads start): the
         oldest `merge_fanin` tables of the lowest level that has that many, beyond the newest `merge_after` segments

@@ -126,7 +126,7 @@ class Store(Compaction, LoggedCommits):
             log.info(f"polar-mitm: segment {number:06d} of {self.path} moved from its Parquet file into the store file (schema 2 to 3)")
         list_sessions(self.con, self.path)  # what reads of one session bind by, for segments listed before it was
         self._read_layout(self.con)
-        self.merge_fanin, self.merge_after, self._merging = merge_fanin, merge_after, False
+        self._set_merges(merge_fanin, merge_after)
         self._compactions: queue.Queue[tuple[int, int | None, bool] | Merge | None] = queue.Queue()
         # merged tables are numbered on, past any a crash left unlisted (dropped just below)
         self._next_merged = 1 + max((int(name[len(MERGED_PREFIX):]) for name in tables(self.con) if re.fullmatch(MERGED_PREFIX + r"\d+", name)), default=0)

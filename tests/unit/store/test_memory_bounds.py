@@ -25,6 +25,19 @@ def test_the_gateway_options_default_to_the_stores_bounds() -> None:
     assert defaults["store_memory_mb"] == writer.MEMORY_MB
     assert defaults["store_journal_mb"] == writer.JOURNAL_MB
     assert defaults["store_compact_slice_mb"] == writer.COMPACT_SLICE_MB
+    assert defaults["store_merge_fanin"] == writer.MERGE_FANIN == 0
+
+
+def test_the_gateways_store_merges_as_its_option_says(tmp_path: Path) -> None:
+    from polar_mitm.gateway.startup import open_when_readers_leave
+
+    opened = open_when_readers_leave(tmp_path / "s.duckdb", 512, 32, 8, 16, lambda message: None)
+    try:
+        assert (opened.merge_fanin, opened.merge_after) == (16, writer.MERGE_AFTER)
+    finally:
+        opened.close()
+    with pytest.raises(ValueError, match="at least 2"):
+        Store(tmp_path / "t.duckdb", merge_fanin=1)
 
 
 def test_duckdb_gets_the_memory_limit_and_zero_leaves_duckdbs_own(tmp_path: Path) -> None:

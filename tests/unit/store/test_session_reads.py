@@ -168,7 +168,7 @@ def test_a_store_in_its_own_process_answers_a_session_read(tmp_path: Path) -> No
     from polar_mitm.gateway.store_process import StoreProcess
 
     said: list[str] = []
-    target = StoreProcess(tmp_path / "s.duckdb", 512, 32, 8, said.append)
+    target = StoreProcess(tmp_path / "s.duckdb", 512, 32, 8, 0, said.append)
     try:
 
         async def commit_all() -> None:
