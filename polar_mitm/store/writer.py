@@ -145,7 +145,7 @@ class Store(Compaction, LoggedCommits):
         recovered = self._recover()  # counted into `sessions` by the recount below
         self._pending_rows, self._pending_bytes, self._move_failed = 0, 0, None
         self.con.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
-        views.create_views(self.con)  # after the tables and the exchanges view they select from
+        views.create_views(self.con, unless_current=True)  # after the tables and the exchanges view they select from
         if recovered or self.con.execute("SELECT value FROM meta WHERE key = 'closed_cleanly'").fetchall() != [("true",)]:
             self.con.execute(RECOUNT_NEW_SESSIONS)
             self.con.execute(RECOUNT_SESSIONS)

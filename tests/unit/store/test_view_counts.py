@@ -9,6 +9,7 @@ import json
 import uuid
 from pathlib import Path
 
+import duckdb
 import pytest
 
 from polar_mitm.store import Store
@@ -57,3 +58,40 @@ def test_messages_and_tools_are_counted_in_both_render_modes(tmp_path: Path, mod
     assert {session.removesuffix(f"-{mode}"): counts for session, counts in timeline.items() if session != "broken"} == expected
     assert timeline["broken"] == (0, 0)
     assert sizes == {api: (float(messages), float(tools)) for api, (messages, tools) in expected.items()}
+
+
+def test_a_writers_open_recreates_the_views_only_when_they_are_not_current(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each view binds every table the exchanges view names (seconds at thousands of segments), so an open re-creates
+    them only if one is missing, its definition changed, or what it reads changed its columns. Seen through a marker:
+    `breaks` replaced behind the store's back stays so across an open that re-creates nothing."""
+    from polar_mitm.store import views
+
+    db = tmp_path / "s.duckdb"
+
+    def raw(sql: str) -> None:
+        con = duckdb.connect(str(db))
+        try:
+            con.execute(sql)
+        finally:
+            con.close()
+
+    def made_again() -> bool:
+        raw("CREATE OR REPLACE VIEW errors AS SELECT 'marker' AS kind")
+        Store(db).close()
+        con = duckdb.connect(str(db), read_only=True)
+        try:
+            assert set(views.VIEWS) <= {name for (name,) in con.execute("SELECT view_name FROM duckdb_views()").fetchall()}
+            return [d[0] for d in con.execute("SELECT * FROM errors LIMIT 0").description] != ["kind"]
+        finally:
+            con.close()
+
+    Store(db).close()
+    assert not made_again()  # current: none made again
+    raw("DROP VIEW token_usage")
+    assert made_again()  # one missing
+    assert not made_again()
+    monkeypatch.setitem(views.VIEWS, "errors", views.View(views.VIEWS["errors"].doc + " Changed.", views.VIEWS["errors"].sql))
+    assert made_again()  # a definition changed
+    raw("ALTER TABLE sessions ADD COLUMN extra INTEGER")
+    assert made_again()  # what they read changed its columns
+    assert not made_again()
