@@ -40,8 +40,7 @@ Parquet is still what other machines read (snapshots, the Ray union): a segment'
 (`<db>.segments/NNNNNN-<random>.parquet`, the name listed with the segment) is written the first time a snapshot
 needs it, and never again (segments are immutable and each name is only ever one file's).
 
-This module holds the steps (compact a journal, list a segment, re-point the view, export, migrate); the writer
-(polar_mitm.store.writer) decides when they run and on which thread.
+Here: the steps (compact, list a segment, re-point the view, export, migrate); the writer decides when and where.
 """
 
 from __future__ import annotations
@@ -53,7 +52,7 @@ import secrets
 import threading
 import time
 from collections.abc import Collection, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -131,7 +130,8 @@ def connect(db_path: str | os.PathLike[str], read_only: bool = False) -> duckdb.
     connect-time config: DuckDB refuses a second connection to a file with a config that differs from the first)."""
     folder = store_folder(db_path)
     con = duckdb.connect(str(db_path), read_only=read_only)
-    con.execute("SET enable_progress_bar = false")  # else a statement past 2 s draws one on stdout: in `polar-mitm sql`'s rows
+    with suppress(duckdb.InvalidInputException):  # which Jupyter without ipywidgets raises for any change of it
+        con.execute("SET enable_progress_bar = false")  # else a statement past 2 s draws one on stdout: in `polar-mitm sql`'s rows
     if "," not in str(folder):  # file_search_path is a comma-separated list, with no quoting
         con.execute("SET GLOBAL file_search_path = ?", [str(folder)])
     return con
