@@ -156,7 +156,7 @@ class PolarAddon:
             self.secret = session.load_secret(ctx.options.confdir)
         if "polar_keepalive_interval" in updated and ctx.options.polar_keepalive_interval < 0:
             raise exceptions.OptionsError("polar_keepalive_interval must be 0 (off) or positive")
-        if "polar_store_merge_fanin" in updated and ctx.options.polar_store_merge_fanin not in (0, *range(2, 1 << 16)):
+        if "polar_store_merge_fanin" in updated and (ctx.options.polar_store_merge_fanin < 0 or ctx.options.polar_store_merge_fanin == 1):
             raise exceptions.OptionsError("polar_store_merge_fanin must be 0 (off) or at least 2 (tables merged at a time)")
         for name in updated & {"polar_store_memory_mb", "polar_store_journal_mb", "polar_store_compact_slice_mb"}:
             if getattr(ctx.options, name) < 0:

@@ -98,6 +98,12 @@ JOURNAL_SEGMENT_SELECT = (
 )
 
 
+def journal_numbers(con: duckdb.DuckDBPyConnection) -> list[int]:
+    """The journals whose tables exist (in the caller's transaction, if any), in order."""
+    found = con.execute("SELECT table_name FROM duckdb_tables() WHERE schema_name = 'main' AND starts_with(table_name, ?)", [JOURNAL_PREFIX]).fetchall()
+    return sorted(int(name[len(JOURNAL_PREFIX):]) for (name,) in found if name[len(JOURNAL_PREFIX):].isdigit())
+
+
 def journal_source(number: int, where: str = "") -> str:
     """A journal's rows with their records parsed (h, b); `where`: only the rows it selects (their records only
     are parsed)."""

@@ -25,7 +25,7 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
-from polar_mitm.store.records import JOURNAL_PREFIX
+from polar_mitm.store.records import journal_numbers
 from polar_mitm.store.schema import quote
 from polar_mitm.store.segments import (
     SEGMENT_COLUMNS,
@@ -51,14 +51,13 @@ def session_rows_sql(con: duckdb.DuckDBPyConnection, sessions: Sessions, known: 
     version, with every column."""
     wanted = [sessions] if isinstance(sessions, str) else list(sessions)
     found = con.execute(f"SELECT segment, stored_in FROM {SEGMENTS_TABLE} WHERE sessions IS NULL OR list_has_any(sessions, ?::VARCHAR[])", [wanted]).fetchall()
-    journals = con.execute("SELECT table_name FROM duckdb_tables() WHERE schema_name = 'main' AND starts_with(table_name, ?)", [JOURNAL_PREFIX]).fetchall()
     segments = {number: known.get(number, SEGMENT_COLUMNS) for number, stored_in in found if stored_in is None}
     merged: dict[str, MergedTable] = {}
     for number, stored_in in found:
         if stored_in is not None:
             held = merged.get(stored_in, MergedTable((), known.get(stored_in, SEGMENT_COLUMNS)))
             merged[stored_in] = held._replace(segments=(*held.segments, number))
-    view = exchanges_view_sql(segments, sorted(int(name[len(JOURNAL_PREFIX):]) for (name,) in journals if name[len(JOURNAL_PREFIX):].isdigit()), merged)
+    view = exchanges_view_sql(segments, journal_numbers(con), merged)
     return f"SELECT * FROM ({view.removeprefix(VIEW_PREFIX)}) WHERE session_id IN ({', '.join(map(quote, wanted)) or 'NULL'})"
 
 

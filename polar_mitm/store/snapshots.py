@@ -26,7 +26,7 @@ from typing import Literal
 import duckdb
 from pydantic import BaseModel
 
-from polar_mitm.store.records import JOURNAL_PREFIX, JOURNAL_STORED_SELECT, journal_source
+from polar_mitm.store.records import JOURNAL_STORED_SELECT, journal_numbers, journal_source
 from polar_mitm.store.schema import MARKS_TABLE, quote, with_whole_texts
 from polar_mitm.store.segments import export_segments, segments_dir
 
@@ -70,11 +70,7 @@ def snapshot_store(con: duckdb.DuckDBPyConnection, db_path: Path, node: str, out
     try:
         cursor.execute("BEGIN TRANSACTION")  # the segment list and the journals as of one instant
         segments = export_segments(cursor, segments_dir(db_path))
-        journals = sorted(
-            int(name[len(JOURNAL_PREFIX):])
-            for (name,) in cursor.execute("SELECT table_name FROM duckdb_tables() WHERE schema_name = 'main' AND starts_with(table_name, ?)", [JOURNAL_PREFIX]).fetchall()
-            if name[len(JOURNAL_PREFIX):].isdigit()
-        )
+        journals = journal_numbers(cursor)
         files = list(segments)
         if journals:
             select = with_whole_texts(" UNION ALL ".join(f"SELECT {JOURNAL_STORED_SELECT} FROM {journal_source(n)}" for n in journals))

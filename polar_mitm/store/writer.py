@@ -31,9 +31,9 @@ from polar_mitm.store.commit_log import CommitLog, LoggedCommits, commit_log_pat
 from polar_mitm.store.compactor import Compaction, Merge
 from polar_mitm.store.records import (
     JOURNAL_COLUMNS,
-    JOURNAL_PREFIX,
     add_text_columns,
     insert_journal_rows,
+    journal_numbers,
     journal_table,
 )
 from polar_mitm.store.schema import (
@@ -331,7 +331,7 @@ class Store(Compaction, LoggedCommits):
         """Where the rows are, as the file says (at open, and when it is opened again): segments in tables of their
         own, merged tables, journals, and the next journal's number."""
         self._segments, self._merged = segment_columns(con), merged_segments(con)
-        self._journals = sorted(int(name[len(JOURNAL_PREFIX):]) for name in tables(con) if re.fullmatch(JOURNAL_PREFIX + r"\d+", name))
+        self._journals = journal_numbers(con)
         self._next_number = max(next_segment(con), max(self._journals, default=0) + 1)
 
     def _trouble(self, doing: str, error: BaseException, refused: int = 0, compaction: bool = False) -> None:
