@@ -10,7 +10,9 @@ Each store is SYNTHETIC: `--segments` segments of 4 small rows each (50 sessions
 3,000 segments are ~770,000 exchanges). Its copy for each variant is then opened by a `Store` with that fan-in in a
 process of its own (the first open, which merges what aged: its time and CPU), and then again, where it is timed:
 the open, three queries on the `exchanges` view (one matching nothing, one session, a count of all), and the
-view's re-pointing (what the writer does at every new journal and segment: the CREATE VIEW, rolled back). The row
+view's re-pointing (what the writer does at every segment's install: the CREATE VIEW, rolled back), and then, writing
+on, what the writer spends re-pointing per segment (two segments of small rows committed: how many re-pointings, and
+their time; twice a segment before the spare journal of 2026-12-07, once after). The row
 size does not matter to those (DuckDB binds each table the view names, column by column), and reads of one session as
 a node makes them (`Store.query(..., session=)`, which binds only the tables listed as holding it: `recent`, in the
 newest 10 segments, and `s7`, in every 12th or so); what a merge costs for
@@ -20,6 +22,7 @@ harness-sized rows is bench/compaction.py's to measure (`--rows 16640`: 65 segme
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import shutil
@@ -29,8 +32,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bench.common import ROOT
+
+if TYPE_CHECKING:
+    from polar_mitm.store import Store
 
 QUERIES = {
     "no match": "SELECT count(*) FROM exchanges WHERE session_id = 'nobody'",
@@ -67,13 +74,13 @@ def one(db: Path, fanin: int) -> dict[str, float]:
 
     wall, cpu = time.perf_counter(), time.process_time()
     first = Store(db, merge_fanin=fanin)
-    while first._merging or not first._compactions.empty():
-        time.sleep(0.05)
+    settle(first)
     first.close()
     result = {"first_open_s": time.perf_counter() - wall, "first_open_cpu_s": time.process_time() - cpu}
     started = time.perf_counter()
     target = Store(db, merge_fanin=fanin)
     result["open_s"] = time.perf_counter() - started
+    settle(target)  # a merge queued as the first one closed runs now: the reads below are timed without it
     try:
         con = target.con.cursor()
         result["tables"] = len(target._segments) + len(target._merged) + len(target._journals)
@@ -99,9 +106,59 @@ def one(db: Path, fanin: int) -> dict[str, float]:
         con.execute(sql)
         result["view_s"] = time.perf_counter() - started
         con.execute("ROLLBACK")
+        result.update(writing_on(target))
     finally:
         target.close()
     return result
+
+
+def settle(target: Store) -> None:
+    """Until no merge is queued or running, three looks in a row (a merge's install queues the next one: between
+    the two, neither shows)."""
+    calm = 0
+    while calm < 3:
+        calm = calm + 1 if not target._merging and target._compactions.empty() else 0
+        time.sleep(0.05)
+
+
+def listed_segments(target: Store) -> int:
+    return len(target._segments) + sum(len(held.segments) for held in target._merged.values())
+
+
+def writing_on(target: Store) -> dict[str, float]:
+    """What the writer spends re-pointing the view while a node writes on: two segments' worth of small rows
+    committed (64 at a time), each compacted before the next is written, each re-pointing timed where it is made
+    (the `write_view` the store's modules call, wrapped)."""
+    from polar_mitm.store import compactor, writer
+
+    timed: list[float] = []
+
+    def timing(real):  # noqa: ANN001, ANN202
+        def write_view(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            started = time.perf_counter()
+            real(*args, **kwargs)
+            timed.append(time.perf_counter() - started)
+        return write_view
+
+    for module in (compactor, writer):  # a tree before the spare journal re-pointed in both
+        if hasattr(module, "write_view"):
+            module.write_view = timing(module.write_view)
+    listed = listed_segments(target)
+    rows: list[dict[str, object]] = [{"exchange_id": f"w{i}", "session_id": f"w{i % 64}", "seq": 1 + i // 64, "api": "openai_chat", "action": "generate", "status": "ok"}
+            for i in range(2 * target.segment_rows)]
+
+    async def commit(some: list[dict[str, object]]) -> None:
+        for first in range(0, len(some), 64):
+            await asyncio.gather(*(target.commit_exchange(row) for row in some[first : first + 64]))
+
+    # a segment at a time, each compacted before the next fills, as at a node's pace (a segment of a busy node's
+    # rows takes seconds; its compaction a fraction of one)
+    for segment in range(2):
+        asyncio.run(commit(rows[segment * target.segment_rows : (segment + 1) * target.segment_rows]))
+        deadline = time.monotonic() + 600
+        while (listed_segments(target) < listed + segment + 1 or target._compacting) and time.monotonic() < deadline:
+            time.sleep(0.02)
+    return {"repoints_per_segment": len(timed) / 2, "repointing_s_per_segment": sum(timed) / 2}
 
 
 def main() -> None:
@@ -140,7 +197,7 @@ def main() -> None:
                     return statistics.median(r[key] for r in results)  # noqa: B023 - used at once
                 lines.append(
                     f"| {count:,} | {name} | {int(med('tables'))} | {med('first_open_s'):.1f} / {med('first_open_cpu_s'):.1f} | {med('open_s'):.2f} | "
-                    + " | ".join(f"{1000 * med(q):.0f}" for q in [*QUERIES, *SESSION_READS]) + f" | {1000 * med('view_s'):.0f} | {int(med('rows')):,} |"
+                    + " | ".join(f"{1000 * med(q):.0f}" for q in [*QUERIES, *SESSION_READS]) + f" | {1000 * med('view_s'):.0f} | {med('repoints_per_segment'):g} / {1000 * med('repointing_s_per_segment'):.0f} | {int(med('rows')):,} |"
                 )
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -148,8 +205,8 @@ def main() -> None:
         f"Segments bench (`python -m bench.segments_bench`), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} cores; "
         f"medians of {args.rounds} round(s).\n\n"
         "| segments | store | tables in the view | first open, merging (s, wall / CPU) | open (s) | "
-        + " | ".join(f"query: {q} (ms)" for q in QUERIES) + " | " + " | ".join(f"{q} (ms)" for q in SESSION_READS) + " | view re-pointed (ms) | rows |\n"
-        + "|---" * (7 + len(QUERIES) + len(SESSION_READS)) + "|\n"
+        + " | ".join(f"query: {q} (ms)" for q in QUERIES) + " | " + " | ".join(f"{q} (ms)" for q in SESSION_READS) + " | view re-pointed (ms) | writing on: re-pointings / ms per segment | rows |\n"
+        + "|---" * (8 + len(QUERIES) + len(SESSION_READS)) + "|\n"
     )
     text = header + "\n".join(lines) + "\n"
     args.output.write_text(text)

@@ -222,7 +222,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "store_merge_fanin", int, 0,
         "Merge aged segments this many tables at a time (16 measured; 0: never), so the exchanges view, every read of it and "
-        "the writer's re-pointing of it (at each new journal and segment) stay bounded in a run of days instead of growing "
+        "the writer's re-pointing of it (at each segment) stay bounded in a run of days instead of growing "
         "with each segment (at 3,000 segments a read 2.2 s, a re-pointing 1 s, against 35 ms and 24 ms merged). A merge "
         "copies at most 4,096 rows and DuckDB holds them in memory while it does (~1.2 GB for harness-sized rows), so it is "
         "off by default (docs/store.md).",

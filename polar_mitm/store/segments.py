@@ -21,8 +21,8 @@ One table per segment, not one table for all: DuckDB rewrites a table's last, pa
 bigger the store (86 -> 630 ms over the first 11 segments, measured); a new table's checkpoint writes only itself.
 
 But every query of the view binds each table it names, column by column (~0.5 ms a segment table of 46 columns):
-over 1,000 segments a query took 0.5-0.6 s and an open 3.6 s, and the writer re-pointed the view (at every new
-journal and segment) in 0.3 s; over 3,000, 2.3 s, 13 s and 1 s (bench/segments_bench.py). So segments can be merged
+over 1,000 segments a query took 0.5-0.6 s and an open 3.6 s, and the writer re-pointed the view (once a segment, at
+its install: a spare journal waits in the view) in 0.3 s; over 3,000, 2.3 s, 13 s and 1 s. So segments can be merged
 as they age (`merge_segments`, decided by the compactor; off by default: writer.MERGE_FANIN): `fanin` tables of one
 level (a segment's own table level 0) become one `exchange_merged_NNNNNN` table of the next, written once, with a
 `segment` column that keeps each row's segment; the list says where each segment's rows are (`stored_in`), and a

@@ -30,7 +30,6 @@ from polar_mitm.store.cache import SegmentCache
 from polar_mitm.store.commit_log import CommitLog, LoggedCommits, commit_log_path
 from polar_mitm.store.compactor import Compaction, Merge
 from polar_mitm.store.records import (
-    JOURNAL_COLUMNS,
     add_text_columns,
     insert_journal_rows,
     journal_numbers,
@@ -58,7 +57,6 @@ from polar_mitm.store.segments import (
     segments_dir,
     tables,
     transaction,
-    write_view,
 )
 from polar_mitm.store.session_counts import READS_SESSIONS, RECOUNT_NEW_SESSIONS, RECOUNT_SESSIONS, SessionCounters
 from polar_mitm.store.session_reads import Sessions, fetch_session, fetch_session_arrow, list_sessions
@@ -120,6 +118,7 @@ class Store(Compaction, LoggedCommits):
         self.con = self._connect()
         self._cache = SegmentCache(memory_mb)  # cut after each checkpoint (polar_mitm.store.cache)
         self._sealed: set[int] = set()  # journals whose records are in their sealed logs (polar_mitm.store.commit_log)
+        self._keep_spare = True  # an empty journal waits in the view for the next rotation (Compaction._rotate)
         ensure_schema(self.con)
         migrate_v1(self.con)
         for number in migrate_parquet_segments(self.con, self.segments_dir):
@@ -331,8 +330,8 @@ class Store(Compaction, LoggedCommits):
         """Where the rows are, as the file says (at open, and when it is opened again): segments in tables of their
         own, merged tables, journals, and the next journal's number."""
         self._segments, self._merged = segment_columns(con), merged_segments(con)
-        self._journals = journal_numbers(con)
-        self._next_number = max(next_segment(con), max(self._journals, default=0) + 1)
+        self._journals = journal_numbers(con)  # a spare one among them, empty, becomes a segment of no rows
+        self._next_number, self._spare = max(next_segment(con), max(self._journals, default=0) + 1), None
 
     def _trouble(self, doing: str, error: BaseException, refused: int = 0, compaction: bool = False) -> None:
         """A write failed: said once per episode (polar_mitm.store.trouble), not once per refused commit."""
@@ -425,18 +424,6 @@ class Store(Compaction, LoggedCommits):
         self._queue.put(_Pending(step=self._settle, done=lambda _error: settled.set()))
         settled.wait(timeout=30)  # a writer stopped meanwhile never answers: the read goes on with what is there
 
-    # -- journals and segments
-    def _rotate(self, con: duckdb.DuckDBPyConnection) -> int | None:
-        """Start a new journal; returns the full one, for the compactor. Writer thread (or before it starts)."""
-        number = self._next_number
-        journals = self._journals + [number]
-        with transaction(con):
-            con.execute(f"CREATE TABLE {journal_table(number)} ({', '.join(f'{n} {t}' for n, t in JOURNAL_COLUMNS.items())})")
-            write_view(con, self._segments, journals, self._merged)
-        self._next_number += 1
-        full, self._journals, self._journal_rows, self._journal_bytes = self._journals, journals, 0, 0
-        return full[-1] if full else None
-
     # -- reads (any thread)
     def query(self, sql: str, params: list[Any] | None = None, session: Sessions | None = None) -> tuple[list[str], list[tuple[Any, ...]]]:
         """`session`: `exchanges` is that session's rows, read from only the tables holding them (session_reads)."""
@@ -485,6 +472,7 @@ class Store(Compaction, LoggedCommits):
         self._writer.join(timeout=60)
         try:
             full = list(self._journals)
+            self._keep_spare = False  # a closed store holds one (empty) journal, not a spare beside it
             self._rotate(self.con)
             for number in full:
                 self._compact(self.con, number)
