@@ -52,6 +52,9 @@ SEALED_BACKLOG = 16
 # chat-mode rows of 172 KB: +1.2 GB, docs/store.md). Beyond it a level is not merged on: 16 of those merged tables
 # would be 65,536 rows at once. Tables of smaller segments still merge up to this many rows.
 MERGE_ROWS = 4096
+# with merges off, a warning each time the view comes to name this many more tables: every re-pointing and every read
+# of the view binds them all (at 1,000 tables 0.3-0.5 s each, at 3,000 ~1 s: bench/segments_bench.py)
+VIEW_TABLES_WARNING = 1000
 
 
 @dataclass(frozen=True)
@@ -159,8 +162,17 @@ class Compaction:
                 register_segment(con, number, segment_file(number), rows)
             if spare is not None:
                 create_journal(con, spare)
+            started = time.perf_counter()
             write_view(con, segments, self._view_journals(journals, spare), self._merged)
+            repointed = time.perf_counter() - started
             con.execute(f"DROP TABLE {journal_table(number)}")
+        tables = len(segments) + len(self._merged)
+        if not self.merge_fanin and rows and tables % VIEW_TABLES_WARNING == 0:
+            log.warning(
+                f"polar-mitm: the exchanges view of {self.path} names {tables} tables (a segment each); re-pointing it at each "
+                f"segment took {1000 * repointed:.0f} ms this time, and every read of it binds them all: --store-merge-fanin 16 "
+                "merges aged segments (docs/store.md)"
+            )
         self._segments, self._journals = segments, journals
         if spare is not None:
             self._spare, self._next_number = spare, spare + 1

@@ -263,3 +263,23 @@ def test_a_merge_copies_at_most_merge_rows_rows(tmp_path: Path, monkeypatch: pyt
         assert target.query("SELECT count(*) FROM exchanges")[1] == [(16,)]
     finally:
         target.close()
+
+
+@pytest.mark.parametrize("fanin", [0, 3])
+def test_without_merges_a_growing_view_is_warned_of_once_per_so_many_tables(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, fanin: int) -> None:
+    """Unmerged, every re-pointing and read of the view binds each of its tables: each time the view comes to name
+    another VIEW_TABLES_WARNING of them the log says so, with what a re-pointing took and the option that bounds it."""
+    monkeypatch.setattr(compactor, "VIEW_TABLES_WARNING", 3)
+    target = Store(tmp_path / "s.duckdb", segment_rows=2, merge_fanin=fanin, merge_after=100)  # merges due only past 100
+    try:
+        with caplog.at_level("WARNING", logger="polar_mitm.store"):
+            commit_in_order(target, [exchange_row("s", seq, prompt_len=20) for seq in range(1, 15)])
+            _settled(target, 7)
+    finally:
+        target.close()
+    warned = [r.getMessage() for r in caplog.records if "names" in r.getMessage() and "--store-merge-fanin" in r.getMessage()]
+    if fanin:
+        assert warned == []  # merges on: the view stays bounded once segments age
+    else:
+        assert [w.split(" names ")[1].split()[0] for w in warned] == ["3", "6"], warned
+        assert all("re-pointing it at each segment took" in w for w in warned)
