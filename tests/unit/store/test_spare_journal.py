@@ -6,6 +6,7 @@ its spare: tests/unit/test_store.py's SIGKILL tests, whose journals rotate every
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -68,14 +69,38 @@ def test_a_new_journal_re_points_nothing_and_each_segment_re_points_once(tmp_pat
         reopened.close()
 
 
-def test_a_journal_filling_before_the_last_is_compacted_makes_its_own_spare(tmp_path: Path) -> None:
-    """The compactor behind (or stopped): a rotation without a spare makes the journal and the next spare itself."""
+def test_a_journal_filling_before_the_last_is_compacted_makes_its_own_spare(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compactor behind: a rotation finding no spare makes the journal and the next spare itself, in one
+    re-pointing; no row is lost or doubled once the compactor catches up."""
+    views: list[list[int]] = []
+    real_write_view, real_write_segment = compactor.write_view, compactor.Compaction._write_segment
+    held = threading.Event()
+
+    def write_view(con, segments, journals, merged=None):  # noqa: ANN001, ANN202 - the real one, counted
+        views.append(list(journals))
+        real_write_view(con, segments, journals, merged)
+
+    def write_segment(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202 - the real one, once let go
+        assert held.wait(timeout=30)
+        return real_write_segment(self, *args, **kwargs)
+
+    monkeypatch.setattr(compactor, "write_view", write_view)
+    monkeypatch.setattr(compactor.Compaction, "_write_segment", write_segment)
     target = Store(tmp_path / "s.duckdb", segment_rows=2, merge_fanin=0)
     try:
-        rows = [exchange_row("s", seq, prompt_len=20) for seq in range(1, 21)]
-        commit_in_order(target, rows)  # ten journals, filled faster than they are compacted
-        _wait_for_segments(target, 10)
-        assert len(_journal_tables(target)) == 2
+        first_journal, spare = views[0]
+        rows = [exchange_row("s", seq, prompt_len=20) for seq in range(1, 6)]
+        commit_in_order(target, rows[:4])  # two journals filled while the first waits to be compacted
+        deadline = time.monotonic() + 10
+        while len(target._journals) < 3 and time.monotonic() < deadline:  # the writer seals after the reply
+            time.sleep(0.01)
+        # the first rotation took the spare (no re-pointing), the second found none and made its own with the next
+        assert views[1:] == [[first_journal, spare, spare + 1, spare + 2]], views
+        held.set()
+        commit_in_order(target, rows[4:])
+        _wait_for_segments(target, 2)
+        assert len(_journal_tables(target)) == 2  # the open journal and its spare
         assert [r[0] for r in target.query("SELECT exchange_id FROM exchanges ORDER BY seq")[1]] == [row["exchange_id"] for row in rows]
     finally:
+        held.set()
         target.close()
