@@ -16,6 +16,7 @@ import orjson
 
 from polar_mitm.engines._api import Reachability
 from polar_mitm.exchange import Completion, EngineError, Notes, ToolCall
+from polar_mitm.util import exact_bytes
 
 # how each engine request spells the output budget (every dialect maps its own spelling onto these)
 BUDGET_KEYS = ("max_tokens", "max_completion_tokens")
@@ -38,7 +39,7 @@ class WireJSON(dict):
         self._text, self._data, self.strict = text, None, strict
         if text is None:
             try:
-                self._data = orjson.dumps(value)
+                self._data = exact_bytes(orjson.dumps(value))  # held through the engine call
             except (orjson.JSONEncodeError, TypeError):  # non-string keys, ints beyond 64 bits
                 self._text, self.strict = json.dumps(value, ensure_ascii=False, separators=(",", ":")), False
 

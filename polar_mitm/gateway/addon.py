@@ -37,6 +37,7 @@ from polar_mitm.gateway import flows, options
 from polar_mitm.gateway.control import PolicyControl
 from polar_mitm.gateway.delivery import Deliveries
 from polar_mitm.gateway.engine_side import EngineHook, EngineSide, unstreamed_timeout
+from polar_mitm.gateway.heap import HeapTrimmer
 from polar_mitm.gateway.outcome import CommitFailed, Outcome, forget_tracebacks, outcome_of, settle
 from polar_mitm.gateway.startup import open_when_readers_leave, why_not_opened
 from polar_mitm.gateway.store_process import StoreProcess
@@ -86,6 +87,7 @@ class PolarAddon:
         self.control = PolicyControl(model_exists=self._engine_serves, engines=lambda: self.engine.reachability() if self.engine else [])
         self.listen: tuple[str, int] | None = None
         self.log_shown = True  # mitmproxy's termlog prints our log (-v, --web); else warnings are printed (_tell)
+        self.trimmer: HeapTrimmer | None = None  # gives freed memory back to the OS (gateway/heap.py)
 
     def load(self, loader: addonmanager.Loader) -> None:
         options.declare(loader)  # polar_<name> for each row of gateway/options.py
@@ -156,6 +158,11 @@ class PolarAddon:
             self.secret = session.load_secret(ctx.options.confdir)
         if "polar_keepalive_interval" in updated and ctx.options.polar_keepalive_interval < 0:
             raise exceptions.OptionsError("polar_keepalive_interval must be 0 (off) or positive")
+        if "polar_heap_trim_s" in updated:
+            if ctx.options.polar_heap_trim_s < 0:
+                raise exceptions.OptionsError("polar_heap_trim_s must be 0 (never) or positive")
+            if self.started.is_set():  # changed while running (mitmweb, --set): the trimmer follows
+                self._trim_heap()
         if "polar_store_merge_fanin" in updated and (ctx.options.polar_store_merge_fanin < 0 or ctx.options.polar_store_merge_fanin == 1):
             raise exceptions.OptionsError("polar_store_merge_fanin must be 0 (off) or at least 2 (tables merged at a time)")
         for name in updated & {"polar_store_memory_mb", "polar_store_journal_mb", "polar_store_compact_slice_mb"}:
@@ -209,6 +216,7 @@ class PolarAddon:
         if self.store is None:
             return  # errorcheck stops the gateway with the logged cause
         await self.streams.start()
+        self._trim_heap()
         self.started.set()
         self._announce()
         # everything alive now (mitmproxy, its certificates, our modules) lives as long as the proxy: out of the
@@ -217,6 +225,15 @@ class PolarAddon:
         engine = f"{self.engine.kind} {self.engine.base_url} serving {model!r}" if self.engine and model else (f"{self.engine.kind} {self.engine.base_url} (not answering yet)" if self.engine else "none")
         # printed, not logged: without -v this is the one line that says the gateway is up
         print(f"polar-mitm gateway: listening on {self.proxy_url()}, store {Path(ctx.options.polar_db).resolve()}, engine {engine}, render {self._render_said()}", file=self.start_line or sys.stdout, flush=True)
+
+    def _trim_heap(self) -> None:
+        """(Re)start the heap trimmer at polar_heap_trim_s (none at 0)."""
+        if self.trimmer is not None:
+            self.trimmer.stop()
+            self.trimmer = None
+        if ctx.options.polar_heap_trim_s > 0:
+            self.trimmer = HeapTrimmer(ctx.options.polar_heap_trim_s)
+            self.trimmer.start()
 
     def _render_said(self) -> str:
         """The render mode for the start line: as asked, and for auto the mode it chose (its reason, if chat, is the
@@ -288,6 +305,9 @@ class PolarAddon:
         if self.store is not None:
             self.store.close()
             self.store = None
+        if self.trimmer is not None:
+            self.trimmer.stop()
+            self.trimmer = None
 
     # -- session attribution
     def http_connect(self, flow: http.HTTPFlow) -> None:

@@ -201,6 +201,13 @@ OPTIONS: tuple[Option, ...] = (
         "tokens mode: MB of session lineages held in memory (default 192; older sessions are read back from the store)", metavar="MB",
     ),
     Option(
+        "heap_trim_s", float, 1.0,
+        "Seconds between giving the memory the gateway's threads freed back to the OS (glibc's malloc_trim, from a thread of "
+        "its own; nothing where the C library has none). Without it RSS stays where the busiest moment left it "
+        "(polar_mitm/gateway/heap.py). 0: never.",
+        "seconds between giving freed memory back to the OS (default 1; 0: never)", metavar="S",
+    ),
+    Option(
         "store_memory_mb", int, 512,
         "DuckDB's memory limit for the store, in MB: its block cache, the journal rows not yet compacted, a compaction and the SQL of "
         "readers of this gateway (beyond it DuckDB spills to <db>.tmp/ where it can, else fails the statement; a refused commit is "

@@ -20,7 +20,7 @@ from typing import Any
 import duckdb
 
 from polar_mitm.store.cache import SegmentCache
-from polar_mitm.store.commit_log import CommitLog, sealed_log_path
+from polar_mitm.store.commit_log import record_slices, sealed_log_path
 from polar_mitm.store.records import JOURNAL_COLUMNS, journal_table
 from polar_mitm.store.segments import (
     MERGED_PREFIX,
@@ -266,9 +266,10 @@ class Compaction:
     def _write_segment(self, con: duckdb.DuckDBPyConnection, number: int, sealed: bool, journal_bytes: int | None = None, slice_bytes: int = 0) -> tuple[int, int]:
         """Journal `number`'s segment table, unlisted: from its sealed log's records while that log is there (a read
         may have moved them into the journal meanwhile, and removed it), else from the journal."""
-        records = CommitLog(sealed_log_path(self.path, number)).read() if sealed else []
-        if records:
-            return write_records_segment(con, number, records, slice_bytes)
+        if sealed:
+            rows, slices = write_records_segment(con, number, record_slices(sealed_log_path(self.path, number), slice_bytes))
+            if rows:
+                return rows, slices
         return write_segment(con, number, journal_bytes, slice_bytes)
 
     def _compact_loop(self) -> None:

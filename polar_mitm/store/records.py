@@ -193,7 +193,9 @@ def _list_text(values: Any) -> str:
 
 def _dumps(value: Any) -> bytes:
     try:
-        return orjson.dumps(value, default=_as_list)
+        # a copy of its own length, held until its group commit is written: orjson returns the buffer it reserved,
+        # several times the output for long strings (polar_mitm.util.exact_bytes, which the store may not import)
+        return bytes(memoryview(orjson.dumps(value, default=_as_list)))
     except (orjson.JSONEncodeError, TypeError):
         # lone surrogates, integers beyond 64 bits, odd types: stored as near as JSON allows, not refused
         return json.dumps(_sanitized(value), ensure_ascii=False, allow_nan=False, default=str).encode("utf-8", "replace")

@@ -51,7 +51,7 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -66,7 +66,6 @@ from polar_mitm.store.records import (
     JournalRecord,
     journal_source,
     journal_table,
-    record_bytes,
     records_source,
     records_table,
 )
@@ -348,33 +347,24 @@ def merge_segments(con: duckdb.DuckDBPyConnection, table: str, segments: Sequenc
         return int(con.execute(f"SELECT count(*) FROM {table}").fetchall()[0][0])
 
 
-def write_records_segment(con: duckdb.DuckDBPyConnection, number: int, records: Sequence[JournalRecord], slice_bytes: int = 0) -> tuple[int, int]:
+def write_records_segment(con: duckdb.DuckDBPyConnection, number: int, slices: Iterable[Sequence[JournalRecord]]) -> tuple[int, int]:
     """write_segment for records that never went into a journal table (the commit log's, sealed: see
-    polar_mitm.store.commit_log): the same segment, parsed from Arrow tables of at most `slice_bytes` of records each
-    (one per INSERT) instead of from journal rows."""
-    if not records:
-        return 0, 0
-    slices: list[list[JournalRecord]] = [[]]
-    size = 0
-    for record in records:
-        length = record_bytes(record)
-        if slice_bytes and slices[-1] and size + length > slice_bytes:
-            slices.append([])
-            size = 0
-        slices[-1].append(record)
-        size += length
+    polar_mitm.store.commit_log): the same segment, parsed from an Arrow table of each slice of records in turn (one
+    INSERT each) instead of from journal rows. Returns (rows, slices); (0, 0) and no table for no records."""
+    rows = count = 0
     with transaction(con):
-        for index, some in enumerate(slices):
+        for some in slices:
             con.register("polar_sealed_records", records_table(some))
             try:
                 select = f"SELECT {JOURNAL_SEGMENT_SELECT} FROM {records_source('polar_sealed_records')}"
-                if index == 0:
+                if not count:
                     create_segment(con, number, select)
                 else:
                     con.execute(f"INSERT INTO {segment_table(number)} BY NAME {select}")
             finally:
                 con.unregister("polar_sealed_records")
-    return len(records), len(slices)
+            rows, count = rows + len(some), count + 1
+    return rows, count
 
 
 def migrate_v1(con: duckdb.DuckDBPyConnection) -> int:

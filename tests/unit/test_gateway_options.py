@@ -39,7 +39,7 @@ def _values(tmp_path: Path) -> dict[str, Any]:
         "passthrough": ["*.example.org"], "engine_hook": f"{hook}:hook", "sql_port": free_port(),
         "render": "tokens", "render_model": str(tmp_path / "model"), "tool_parser": "qwen3_coder",
         "policy_version": 7, "control_token": "t0k", "keepalive_interval": 2.5,
-        "store_memory_mb": 300, "store_journal_mb": 16, "store_compact_slice_mb": 4, "store_merge_fanin": 16, "store_process": True, "lineage_mb": 48,
+        "heap_trim_s": 0.5, "store_memory_mb": 300, "store_journal_mb": 16, "store_compact_slice_mb": 4, "store_merge_fanin": 16, "store_process": True, "lineage_mb": 48,
     }
 
 
@@ -135,6 +135,7 @@ def test_values_are_checked_in_the_addons_configure(tmp_path: Path) -> None:
             for option, value, message in [
                 ("polar_engine_timeout", 0.0, "must be positive"),
                 ("polar_store_journal_mb", -1, "must be 0"),
+                ("polar_heap_trim_s", -1.0, "polar_heap_trim_s must be 0 \\(never\\) or positive"),
                 ("polar_store_merge_fanin", 1, "must be 0 \\(off\\) or at least 2"),
                 ("polar_store_merge_fanin", -16, "must be 0 \\(off\\) or at least 2"),
                 ("polar_engine", "tgi", "must be one of vllm, sglang"),

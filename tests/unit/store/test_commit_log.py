@@ -13,7 +13,7 @@ import pytest
 
 from polar_mitm import store
 from polar_mitm.store import Store, commit_log, compactor
-from polar_mitm.store.commit_log import CommitLog, commit_log_path, commit_logs, sealed_log_path
+from polar_mitm.store.commit_log import CommitLog, commit_log_path, commit_logs, record_slices, sealed_log_path
 from tests.support.rows import commit_in_order, exchange_row
 
 
@@ -41,6 +41,27 @@ def test_a_torn_tail_is_dropped_and_the_next_append_writes_over_it(tmp_path: Pat
     assert log.path.stat().st_size == 0 and CommitLog(log.path).read() == []
     log.remove()
     assert not log.path.exists()
+
+
+def test_a_sealed_log_is_read_a_slice_at_a_time_as_it_is_taken(tmp_path: Path) -> None:
+    """The compactor's reader: slices of at most `slice_bytes` of records (one record alone if it is larger), read
+    from the file as they are taken, so a slice is all it holds; the torn tail dropped as read() drops it; the
+    file is opened at the call, so a read that unlinks the sealed log meanwhile takes nothing from it."""
+    log = CommitLog(tmp_path / "s.duckdb.commits.000001")
+    records = [_record(index) for index in range(1, 8)]  # 800 bytes of texts each, record_bytes 804
+    log.append(records)
+    with log.path.open("ab") as out:
+        out.write(b"\x00\x00\x01\x00torn")
+    slices = record_slices(log.path, 2 * 804)
+    first = next(slices)
+    assert first == records[:2]
+    log.path.unlink()  # a read moved them into their journal: this reader still has the sealed log open
+    assert [first, *slices] == [records[:2], records[2:4], records[4:6], records[6:]]
+    other = CommitLog(tmp_path / "s.duckdb.commits.000002")
+    other.append(records[:3])
+    assert list(record_slices(other.path, 0)) == [records[:3]]  # 0: all at once
+    assert list(record_slices(other.path, 100)) == [[record] for record in records[:3]]  # never an empty slice
+    assert list(record_slices(tmp_path / "none", 100)) == []
 
 
 def test_a_commit_is_in_the_log_before_the_file_and_every_read_sees_it(tmp_path: Path) -> None:
