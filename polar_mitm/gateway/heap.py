@@ -8,10 +8,10 @@ so RSS stayed where the busiest moment left it. `malloc_trim(0)` hands the free 
 (madvise), not only its top. Measured (bench/README.md, "The heap given back, and two holders of memory"), three
 interleaved pairs of bench/scale.py at 1,000 sessions and 10 turns, trimming against not: peak RSS 977 / 960 against
 1025 / 986 MB in chat mode, 1055 against 1129 in tokens mode, RSS at the end 70-140 MB lower, CPU per exchange no
-higher (6.78 / 7.26 against 6.84 / 7.48 ms). At ~200 exchanges/s (bench/memory_bench.py, 512 sessions) RSS was 25-32 MB
-lower in the middle and at the end of a level (at 64, 0-7 MB) and CPU within the runs' ±0.5 ms spread: the cost, page faults when given-back
-memory is used again, is not resolved there. One call giving back 127 MB took 7.7 ms; it runs without the GIL (ctypes
-lets it go), on a thread of its own.
+higher (6.78 / 7.26 against 6.84 / 7.48 ms). At ~200 exchanges/s (bench/memory_bench.py, 512 sessions) RSS was
+25-32 MB lower in the middle and at the end of a level (at 64 sessions 0-7 MB) and CPU within the runs' ±0.5 ms
+spread: the cost, page faults when given-back memory is used again, is not resolved there. One call giving back
+127 MB took 7.7 ms; it runs without the GIL (ctypes lets it go), on a thread of its own.
 
 Only glibc has `malloc_trim`; elsewhere (musl, macOS) the trimmer does nothing, and says so in the debug log.
 """
