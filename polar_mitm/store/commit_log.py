@@ -19,6 +19,7 @@ last good record (pwrite, not O_APPEND), so a failed append's bytes are written 
 from __future__ import annotations
 
 import glob
+import io
 import logging
 import os
 import pickle
@@ -64,18 +65,20 @@ def commit_logs(db: Path) -> list[Path]:
     return [*sealed, *[path for path in [commit_log_path(db)] if path.exists()]]
 
 
-def _records(data: bytes) -> list[JournalRecord]:
-    """The framed records in `data`, up to the first that fails its length or CRC (a torn tail)."""
-    records: list[JournalRecord] = []
-    at = 0
-    while at + _FRAME.size <= len(data):
-        length, crc = _FRAME.unpack_from(data, at)
-        payload = data[at + _FRAME.size : at + _FRAME.size + length]
+def _framed(file: BinaryIO) -> Iterator[JournalRecord]:
+    """The framed records read from `file`, one at a time, up to the first that fails its length or CRC (a torn
+    tail)."""
+    while len(frame := file.read(_FRAME.size)) == _FRAME.size:
+        length, crc = _FRAME.unpack(frame)
+        payload = file.read(length)
         if len(payload) != length or zlib.crc32(payload) != crc:
-            break
-        records.append(pickle.loads(payload))
-        at += _FRAME.size + length
-    return records
+            return
+        yield pickle.loads(payload)
+
+
+def _records(data: bytes) -> list[JournalRecord]:
+    """The framed records in `data` (_framed)."""
+    return list(_framed(io.BytesIO(data)))
 
 
 def record_slices(path: Path, slice_bytes: int) -> Iterator[list[JournalRecord]]:
@@ -96,17 +99,13 @@ def _slices(file: BinaryIO, slice_bytes: int) -> Iterator[list[JournalRecord]]:
     with file:
         taken: list[JournalRecord] = []
         size = 0
-        while len(frame := file.read(_FRAME.size)) == _FRAME.size:
-            length, crc = _FRAME.unpack(frame)
-            payload = file.read(length)
-            if len(payload) != length or zlib.crc32(payload) != crc:
-                break
-            record = pickle.loads(payload)
-            if slice_bytes and taken and size + record_bytes(record) > slice_bytes:
+        for record in _framed(file):
+            length = record_bytes(record)
+            if slice_bytes and taken and size + length > slice_bytes:
                 yield taken
                 taken, size = [], 0
             taken.append(record)
-            size += record_bytes(record)
+            size += length
         if taken:
             yield taken
 
