@@ -312,7 +312,7 @@ def create_segment(con: duckdb.DuckDBPyConnection, number: int, select: str) -> 
 
 
 def write_segment(con: duckdb.DuckDBPyConnection, number: int, journal_bytes: int | None = None, slice_bytes: int = 0) -> tuple[int, int]:
-    """Copy journal `number` (no longer written to) into segment table `number`, a transaction a slice on `con`;
+    """Copy journal `number` (no longer written to) into segment table `number`, in one transaction on `con`;
     returns (rows copied, slices: INSERTs it took); no rows: the journal was empty (no table). The segment stays
     out of the view until the writer lists it. `journal_bytes`: its records' size, when the writer counted it.
 
@@ -324,23 +324,13 @@ def write_segment(con: duckdb.DuckDBPyConnection, number: int, journal_bytes: in
     if not rows:
         return 0, 0
     per_slice = max(1, rows * slice_bytes // max(size, 1)) if slice_bytes else rows
-    # slices of rows (a journal's rowids are 0..rows-1: it is only ever appended to)
+    # slices of rows (a journal's rowids are 0..rows-1: it is only ever appended to), one INSERT each
     where = [f"rowid >= {start} AND rowid < {start + per_slice}" if per_slice < rows else "" for start in range(0, rows, per_slice)]
-    for index, condition in enumerate(where):
-        with transaction(con):
-            _fill(con, number, index, f"SELECT {JOURNAL_SEGMENT_SELECT} FROM {journal_source(number, condition)}")
+    with transaction(con):
+        create_segment(con, number, f"SELECT {JOURNAL_SEGMENT_SELECT} FROM {journal_source(number, where[0])}")
+        for condition in where[1:]:
+            con.execute(f"INSERT INTO {segment_table(number)} BY NAME SELECT {JOURNAL_SEGMENT_SELECT} FROM {journal_source(number, condition)}")
     return rows, len(where)
-
-
-def _fill(con: duckdb.DuckDBPyConnection, number: int, index: int, select: str) -> None:
-    """Slice `index` of segment `number` into its table (the first makes it), in the caller's transaction. One
-    transaction a slice: at COMMIT DuckDB writes new rows to its WAL through one in-memory buffer per 2,048, so a
-    segment committed at once peaked ~60 MB higher (256 rows of 14k-token exchanges, bench/README.md "Sealed
-    segments"). A table left half-written by a failure is unlisted: the next try replaces it, the next open drops it."""
-    if index:
-        con.execute(f"INSERT INTO {segment_table(number)} BY NAME {select}")
-    else:
-        create_segment(con, number, select)
 
 
 def merge_segments(con: duckdb.DuckDBPyConnection, table: str, segments: Sequence[int], merged: Mapping[str, Collection[str]]) -> int:
@@ -360,17 +350,20 @@ def merge_segments(con: duckdb.DuckDBPyConnection, table: str, segments: Sequenc
 def write_records_segment(con: duckdb.DuckDBPyConnection, number: int, slices: Iterable[Sequence[JournalRecord]]) -> tuple[int, int]:
     """write_segment for records that never went into a journal table (the commit log's, sealed: see
     polar_mitm.store.commit_log): the same segment, parsed from an Arrow table of each slice of records in turn (one
-    INSERT and transaction each) instead of from journal rows. Returns (rows, slices); (0, 0) and no table for no
-    records."""
+    INSERT each) instead of from journal rows. Returns (rows, slices); (0, 0) and no table for no records."""
     rows = count = 0
-    for some in slices:
-        with transaction(con):
+    with transaction(con):
+        for some in slices:
             con.register("polar_sealed_records", records_table(some))
             try:
-                _fill(con, number, count, f"SELECT {JOURNAL_SEGMENT_SELECT} FROM {records_source('polar_sealed_records')}")
+                select = f"SELECT {JOURNAL_SEGMENT_SELECT} FROM {records_source('polar_sealed_records')}"
+                if not count:
+                    create_segment(con, number, select)
+                else:
+                    con.execute(f"INSERT INTO {segment_table(number)} BY NAME {select}")
             finally:
                 con.unregister("polar_sealed_records")
-        rows, count = rows + len(some), count + 1
+            rows, count = rows + len(some), count + 1
     return rows, count
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from polar_mitm import store
-from polar_mitm.store import Store, commit_log, compactor, segments
+from polar_mitm.store import Store, commit_log, compactor
 from polar_mitm.store.commit_log import CommitLog, commit_log_path, commit_logs, record_slices, sealed_log_path
 from tests.support.rows import commit_in_order, exchange_row
 
@@ -270,47 +270,3 @@ def test_waiting_records_are_read_back_from_the_file(tmp_path: Path, monkeypatch
     assert log.read() == [_record(3), _record(4)]  # a crash now: the next open finds 3 in the store and skips it
     monkeypatch.undo()
     log.remove()
-
-
-def test_a_segment_is_written_a_transaction_a_slice_and_one_that_fails_midway_stays_out_of_the_view(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each slice of a segment is committed on its own (DuckDB serializes a transaction's new rows into its WAL in
-    one buffer, so one transaction held a whole segment's bytes twice over). A compaction that fails after its first
-    slice leaves that slice in the segment's table, unlisted: every row is read once, from its journal, and the next
-    try replaces the table; after a reopen too, every row once."""
-    db = tmp_path / "s.duckdb"
-    said: list[str] = []
-    fails = [True]
-    table_of = segments.records_table
-
-    def failing_second(some):  # noqa: ANN001, ANN202 - records_table's own
-        if len(tables) == 1 and fails:
-            fails.pop()
-            raise OSError(28, "No space left on device")
-        tables.append(len(some))
-        return table_of(some)
-
-    tables: list[int] = []
-    monkeypatch.setattr(segments, "records_table", failing_second)
-    target = Store(db, segment_rows=4, report=said.append)
-    target.slice_bytes = 1  # a slice a record
-    try:
-        number = target._journals[-1]
-        rows = [exchange_row("s", seq) for seq in range(1, 5)]
-        commit_in_order(target, rows)
-        _wait(lambda: any("compacting" in line for line in said), "the failed compaction")
-        table = store.segment_table(number)
-        assert number in target._journals and number not in target._segments
-        # its first slice was committed before the second failed: in its table, which the view does not name
-        assert tables == [1]
-        assert target.con.cursor().execute(f"SELECT count(*) FROM {table}").fetchall() == [(1,)]
-        ids = sorted(row["exchange_id"] for row in rows)
-        assert sorted(r[0] for r in target.query("SELECT exchange_id FROM exchanges")[1]) == ids
-        more = [exchange_row("s", seq) for seq in range(5, 9)]  # the next journal filled: the failed one is queued again
-        commit_in_order(target, more)
-        _wait(lambda: number in target._segments and number not in target._journals, "the segment, tried again")
-        assert target.con.cursor().execute(f"SELECT count(*) FROM {table}").fetchall() == [(4,)]
-    finally:
-        target.close()
-    every = sorted(row["exchange_id"] for row in rows + more)
-    assert sorted(r[0] for r in store.query(db, "SELECT exchange_id FROM exchanges")[1]) == every
-    assert [tuple(r) for r in store.query(db, "SELECT n_exchanges FROM sessions WHERE session_id = 's'")[1]] == [(8,)]
