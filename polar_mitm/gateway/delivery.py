@@ -29,7 +29,7 @@ timer that fired in the same instant); that reply was delivered, as far as TCP g
 closes a few ms after the last events reached it (the line still open when they were written), not having read
 them: its reset looks just like that of a client that read them and left the final chunk unread, which is kept
 `ok`; telling them apart would mean holding every stream's final chunk back (tests/integration/test_client_received.py:
-one call of its ~135 abandoned ones, in some runs: in both full suites of 2026-12-05 and in 1 of 5 runs alone).
+0 to 2 of its ~135 abandoned calls a run, each one whose client held the reply's last events unread when it closed).
 
 Only plain TCP client connections have a socket to ask (regular and transparent proxy modes); mitmproxy's own
 replays and its Rust-side modes (WireGuard, local) fall back to mitmproxy's view (`flows.client_gone`).
