@@ -319,6 +319,7 @@ class PolarAddon:
         flow.request.headers.pop("proxy-authorization", None)  # read once; the session's credential stays in no flow
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
+        self.deliveries.asked(flow.client_conn.id)  # HTTP/1: the reply before this request on the connection was read
         if flow.response is not None or self._is_control(flow):
             return
         if flow.is_replay:
@@ -596,6 +597,9 @@ class PolarAddon:
     def error(self, flow: http.HTTPFlow) -> None:
         self.streams.restore(flow)  # a route the client left before it was taken
         self.deliveries.error(flow)  # a stream its client left before its end
+
+    def client_disconnected(self, client: connection.Client) -> None:
+        self.deliveries.left(client.id)  # reset with a JSON reply unread?
 
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")

@@ -15,8 +15,12 @@ FIN or reset -> the call is cancelled, or its row committed `client_disconnected
 committed `ok` (`Deliveries.committed`, then `response`):
 
     after the commit             FIN or reset -> marked
-    JSON reply, as mitmproxy is about to write it (response hook): FIN or reset -> marked; then, once written and
-                                 SETTLE_S later, a reset (the client's answer to bytes that came after its close)
+    JSON reply, as mitmproxy is about to write it (response hook): FIN or reset -> marked; then, on HTTP/1, a reset
+                                 before the client's next request on that connection (mitmproxy's client_disconnected
+                                 hook): nothing else comes down an HTTP/1 connection until then, so its kernel reset
+                                 our reply's unread bytes, however late its loop got to close (a client starved
+                                 beside busy cores closed 70-130 ms after the commit, 2026-12-07). HTTP/2's streams
+                                 share their connection: there a reset counts only within SETTLE_S of the write.
     stream, its last events written (response hook, before the stream's final chunk): a reset -> marked; a FIN
                                  alone: asked again SETTLE_S later, a reset then -> marked (a client that closed
                                  after reading everything leaves a FIN only)
@@ -136,7 +140,20 @@ class Deliveries:
         # by flow: an entry goes with its flow (an exchange that never commits, a gateway that stops)
         self._lines: weakref.WeakKeyDictionary[http.HTTPFlow, ClientLine | None] = weakref.WeakKeyDictionary()
         self._pending: weakref.WeakKeyDictionary[http.HTTPFlow, _Pending] = weakref.WeakKeyDictionary()
+        # by client connection id: the JSON reply last written on an HTTP/1 connection, until the client asks again
+        # (it read the reply) or leaves (a reset: it did not)
+        self._unread: dict[str, _Pending] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+
+    def asked(self, client_id: str) -> None:
+        """A request on this client connection: on HTTP/1 its client has read the reply before."""
+        self._unread.pop(client_id, None)
+
+    def left(self, client_id: str) -> None:
+        """mitmproxy's client_disconnected hook: a reset there means the last reply written on it was never read."""
+        pending = self._unread.pop(client_id, None)
+        if pending is not None and (why := _reset(pending.line)):
+            self._spawn(self._commit_mark(pending.exchange_id, f"the reply was committed ok but not delivered: {why} with the reply unread"))
 
     def opened(self, flow: http.HTTPFlow) -> None:
         """An exchange starts: find its client's socket now, while mitmproxy still holds the connection."""
@@ -168,6 +185,8 @@ class Deliveries:
         if not pending.streamed:
             if why := flows.client_gone(flow) or _kernel_says(pending.line):
                 self._settle(flow, f"{why} as the reply was written")
+            elif pending.line is not None and flow.request.http_version.startswith("HTTP/1"):
+                self._unread[flow.client_conn.id] = self._pending.pop(flow)
             else:
                 self._spawn(self._reset_after(flow, pending))
             return
@@ -194,8 +213,8 @@ class Deliveries:
             await asyncio.wait(set(self._tasks))
 
     async def _reset_after(self, flow: http.HTTPFlow, pending: _Pending) -> None:
-        """A JSON reply: once mitmproxy has written it (the flow is no longer live) and SETTLE_S later, a reset
-        means its bytes came after the client's close (or sat unread when it closed)."""
+        """A JSON reply on HTTP/2: once mitmproxy has written it (the flow is no longer live) and SETTLE_S later, a
+        reset means its bytes came after the client's close (or sat unread when it closed)."""
         deadline = time.monotonic() + WRITE_WAIT_S
         while flow.live and time.monotonic() < deadline:
             await asyncio.sleep(0.005)

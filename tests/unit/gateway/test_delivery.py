@@ -105,11 +105,12 @@ def test_a_json_reply_whose_client_closed_after_the_commit_is_marked(monkeypatch
     assert (exchange_id, status) == ("x1", "client_disconnected") and "had closed its connection as the reply was written" in error
 
 
-def test_a_json_reply_written_just_after_its_client_closed_is_marked_by_the_reset(monkeypatch: pytest.MonkeyPatch, connection) -> None:
+def test_an_http2_json_reply_written_just_after_its_client_closed_is_marked_by_the_reset(monkeypatch: pytest.MonkeyPatch, connection) -> None:
     client, served = connection
 
     async def run() -> list:
         deliveries, marks, flow = watched(monkeypatch, served)
+        flow.request.http_version = "HTTP/2.0"  # streams share the connection: only a reset within SETTLE_S counts
         deliveries.committed(flow, "x2", "ok", streamed=False)
         await deliveries.response(flow)  # the client is still there
         client.close()  # and leaves as mitmproxy writes
@@ -120,6 +121,51 @@ def test_a_json_reply_written_just_after_its_client_closed_is_marked_by_the_rese
 
     [(exchange_id, status, error)] = asyncio.run(run())
     assert (exchange_id, status) == ("x2", "client_disconnected") and "reset" in error
+
+
+def test_a_json_reply_its_client_left_unread_is_marked_however_late_it_closes(monkeypatch: pytest.MonkeyPatch, connection) -> None:
+    """A client whose event loop is starved closes long after the reply reached its kernel (its timer fired first):
+    on HTTP/1 its reset, whenever it comes before another request, says the reply was never read."""
+    client, served = connection
+
+    async def run() -> list:
+        deliveries, marks, flow = watched(monkeypatch, served)
+        deliveries.committed(flow, "x4", "ok", streamed=False)
+        await deliveries.response(flow)  # the client is still there
+        served.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+        flow.live = False  # written, and in the client's kernel
+        await asyncio.sleep(delivery.SETTLE_S * 6)
+        client.close()  # unread: a reset
+        assert await asyncio.to_thread(settled_state, ClientLine(served, None), "reset") == "reset"
+        deliveries.left(flow.client_conn.id)  # mitmproxy's client_disconnected
+        await deliveries.settled()
+        return marks.made
+
+    [(exchange_id, status, error)] = asyncio.run(run())
+    assert (exchange_id, status) == ("x4", "client_disconnected") and "reset with the reply unread" in error
+
+
+def test_a_json_reply_is_read_once_its_client_asks_again_whatever_becomes_of_the_next_call(monkeypatch: pytest.MonkeyPatch, connection) -> None:
+    client, served = connection
+
+    async def run() -> list:
+        deliveries, marks, flow = watched(monkeypatch, served)
+        deliveries.committed(flow, "x5", "ok", streamed=False)
+        await deliveries.response(flow)
+        served.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+        flow.live = False
+        await asyncio.to_thread(client.recv, 100)
+        client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\n")  # the next call on the same connection
+        deliveries.asked(flow.client_conn.id)  # mitmproxy's requestheaders
+        served.sendall(b"HTTP/1.1 200 OK\r\n")  # whose reply the client abandons
+        await asyncio.sleep(0.05)
+        client.close()
+        assert await asyncio.to_thread(settled_state, ClientLine(served, None), "reset") == "reset"
+        deliveries.left(flow.client_conn.id)
+        await deliveries.settled()
+        return marks.made
+
+    assert asyncio.run(run()) == []
 
 
 def test_a_json_reply_its_client_read_is_not_marked(monkeypatch: pytest.MonkeyPatch, connection) -> None:
@@ -133,6 +179,9 @@ def test_a_json_reply_its_client_read_is_not_marked(monkeypatch: pytest.MonkeyPa
         flow.live = False
         await asyncio.to_thread(client.recv, 100)
         client.close()  # a one-shot client: reads its reply, hangs up
+        assert await asyncio.to_thread(settled_state, ClientLine(served, None), "closed") == "closed"
+        await asyncio.sleep(delivery.SETTLE_S * 2)  # a FIN, and no reset after it
+        deliveries.left(flow.client_conn.id)
         await deliveries.settled()
         return marks.made
 
