@@ -19,7 +19,7 @@ committed `ok` (`Deliveries.committed`, then `response`):
                                  before the client's next request on that connection (mitmproxy's client_disconnected
                                  hook): nothing else comes down an HTTP/1 connection until then, so its kernel reset
                                  our reply's unread bytes, however late its loop got to close (a client starved
-                                 beside busy cores closed 70-130 ms after the commit, 2026-12-07). HTTP/2's streams
+                                 beside busy cores closed 40-130 ms after the commit, 2026-12-07). HTTP/2's streams
                                  share their connection: there a reset counts only within SETTLE_S of the write.
     stream, its last events written (response hook, before the stream's final chunk): a reset -> marked; a FIN
                                  alone: asked again SETTLE_S later, a reset then -> marked (a client that closed
