@@ -89,6 +89,14 @@ def watched(monkeypatch: pytest.MonkeyPatch, served: socket.socket) -> tuple[Del
     return deliveries, marks, flow
 
 
+async def json_reply_written(deliveries: Deliveries, flow: http.HTTPFlow, served: socket.socket, exchange_id: str) -> None:
+    """An HTTP/1 JSON reply committed ok, its client still there as mitmproxy writes it, and now in its kernel."""
+    deliveries.committed(flow, exchange_id, "ok", streamed=False)
+    await deliveries.response(flow)
+    served.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+    flow.live = False
+
+
 def test_a_json_reply_whose_client_closed_after_the_commit_is_marked(monkeypatch: pytest.MonkeyPatch, connection) -> None:
     client, served = connection
 
@@ -130,10 +138,7 @@ def test_a_json_reply_its_client_left_unread_is_marked_however_late_it_closes(mo
 
     async def run() -> list:
         deliveries, marks, flow = watched(monkeypatch, served)
-        deliveries.committed(flow, "x4", "ok", streamed=False)
-        await deliveries.response(flow)  # the client is still there
-        served.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
-        flow.live = False  # written, and in the client's kernel
+        await json_reply_written(deliveries, flow, served, "x4")
         await asyncio.sleep(delivery.SETTLE_S * 6)
         client.close()  # unread: a reset
         assert await asyncio.to_thread(settled_state, ClientLine(served, None), "reset") == "reset"
@@ -150,10 +155,7 @@ def test_a_json_reply_is_read_once_its_client_asks_again_whatever_becomes_of_the
 
     async def run() -> list:
         deliveries, marks, flow = watched(monkeypatch, served)
-        deliveries.committed(flow, "x5", "ok", streamed=False)
-        await deliveries.response(flow)
-        served.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
-        flow.live = False
+        await json_reply_written(deliveries, flow, served, "x5")
         await asyncio.to_thread(client.recv, 100)
         client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\n")  # the next call on the same connection
         deliveries.asked(flow.client_conn.id)  # mitmproxy's requestheaders
@@ -173,10 +175,7 @@ def test_a_json_reply_its_client_read_is_not_marked(monkeypatch: pytest.MonkeyPa
 
     async def run() -> list:
         deliveries, marks, flow = watched(monkeypatch, served)
-        deliveries.committed(flow, "x3", "ok", streamed=False)
-        await deliveries.response(flow)
-        served.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
-        flow.live = False
+        await json_reply_written(deliveries, flow, served, "x3")
         await asyncio.to_thread(client.recv, 100)
         client.close()  # a one-shot client: reads its reply, hangs up
         assert await asyncio.to_thread(settled_state, ClientLine(served, None), "closed") == "closed"
