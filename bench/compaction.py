@@ -34,17 +34,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run(rows: int, shape: str = "chat") -> dict[str, float]:
-    """One run in this process, with the `polar_mitm` on sys.path."""
+def exchange_rows(count: int, shape: str = "chat", prompt_ids: int = 4096) -> list[dict]:
+    """`count` exchange rows shaped like the gateway's (see the top), with `prompt_ids` prompt token ids each."""
     from bench.common import STUB_MODEL, load_requests
     from polar_mitm.engines.base import WireJSON, _decode
-    from polar_mitm.store import Store, now
+    from polar_mitm.store import now
 
     spec = load_requests()[0]
     rng = random.Random(1)
 
     def row(index: int) -> dict:
-        prompt = [rng.randrange(151_000) for _ in range(4096)]
+        prompt = [rng.randrange(151_000) for _ in range(prompt_ids)]
         sampled = [rng.randrange(151_000) for _ in range(256)]
         logprobs = [round(-rng.random() * 3, 6) for _ in sampled]
         if shape == "tokens":  # vLLM's completions: the prompt's ids in, echoed in the choice
@@ -65,7 +65,14 @@ def run(rows: int, shape: str = "chat") -> dict[str, float]:
             "prompt_token_ids": reply_wire["choices"][0]["prompt_token_ids"] if shape == "tokens" else reply_wire["prompt_token_ids"], "completion_token_ids": sampled, "completion_logprobs": logprobs, "started_at": now(), "ended_at": now(),
         }
 
-    built = [row(index) for index in range(rows)]
+    return [row(index) for index in range(count)]
+
+
+def run(rows: int, shape: str = "chat") -> dict[str, float]:
+    """One run in this process, with the `polar_mitm` on sys.path."""
+    from polar_mitm.store import Store
+
+    built = exchange_rows(rows, shape)
     folder = Path(tempfile.mkdtemp(prefix="polar-compaction-"))
     try:
         started = time.process_time()

@@ -259,9 +259,18 @@ class Compaction:
         self._segments, self._merged, self._merging = segments, merged, False
         self._queue_merge()
 
-    def _compact(self, con: duckdb.DuckDBPyConnection, number: int) -> None:
-        """Journal (or its sealed records) to segment, in the calling thread (start-up, close: nothing else writes)."""
-        self._install_segment(con, number, self._write_segment(con, number, number in self._sealed)[0])
+    def _compact(self, con: duckdb.DuckDBPyConnection, number: int, when: str) -> None:
+        """Journal (or its sealed records) to segment, in the calling thread (start-up, close: nothing else writes).
+        In slices, as the compactor does: a journal at open or close is as big as any other (up to `journal_mb`)."""
+        started = time.perf_counter()
+        rows, slices = self._write_segment(con, number, number in self._sealed, slice_bytes=self.slice_bytes)
+        self._install_segment(con, number, rows)
+        if rows:
+            # DuckDB holds a segment's rows until a checkpoint writes them: with several journals to compact (a
+            # crash behind the compactor's backlog), without one each it held them all
+            con.execute("CHECKPOINT")
+            self._cache.cut(con)
+            log.info(f"polar-mitm: segment {number:06d}: {rows} exchanges written in {slices} slices in {1000 * (time.perf_counter() - started):.0f} ms, {when}")
 
     def _write_segment(self, con: duckdb.DuckDBPyConnection, number: int, sealed: bool, journal_bytes: int | None = None, slice_bytes: int = 0) -> tuple[int, int]:
         """Journal `number`'s segment table, unlisted: from its sealed log's records while that log is there (a read

@@ -51,8 +51,8 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, suppress
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from contextlib import suppress
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -63,11 +63,13 @@ from polar_mitm.errors import ConfigError
 from polar_mitm.store.records import (
     JOURNAL_SEGMENT_SELECT,
     JOURNAL_STORED_SELECT,
+    RECORD_BYTES_SQL,
     JournalRecord,
     journal_source,
     journal_table,
     records_source,
     records_table,
+    transaction,
 )
 from polar_mitm.store.schema import (
     EXCHANGE_COLUMNS,
@@ -320,7 +322,7 @@ def write_segment(con: duckdb.DuckDBPyConnection, number: int, journal_bytes: in
     2048 rows, so a whole journal) in one go and held ~5x its bytes meanwhile (measured: +300 MB for 256 rows of
     14k-token exchanges, +50 MB in 8 MB slices, which cost the compactor ~1.1-1.3x the CPU)."""
     table = journal_table(number)
-    rows, size = con.execute(f"SELECT count(*), {'coalesce(sum(octet_length(head) + octet_length(body)), 0)' if journal_bytes is None else journal_bytes} FROM {table}").fetchall()[0]
+    rows, size = con.execute(f"SELECT count(*), {f'coalesce(sum({RECORD_BYTES_SQL}), 0)' if journal_bytes is None else journal_bytes} FROM {table}").fetchall()[0]
     if not rows:
         return 0, 0
     per_slice = max(1, rows * slice_bytes // max(size, 1)) if slice_bytes else rows
@@ -473,18 +475,3 @@ def add_segment(con: duckdb.DuckDBPyConnection, rows: pa.Table) -> None:
 
 def next_segment(con: duckdb.DuckDBPyConnection) -> int:
     return con.execute(f"SELECT coalesce(max(segment), 0) + 1 FROM {SEGMENTS_TABLE}").fetchall()[0][0]
-
-
-@contextmanager
-def transaction(con: duckdb.DuckDBPyConnection) -> Iterator[None]:
-    """BEGIN ... COMMIT around the block; rolled back (and the error raised again) if the block or COMMIT fails."""
-    con.execute("BEGIN TRANSACTION")
-    try:
-        yield
-        con.execute("COMMIT")
-    except BaseException:
-        try:
-            con.execute("ROLLBACK")
-        except duckdb.TransactionException:
-            pass  # nothing left open to roll back
-        raise

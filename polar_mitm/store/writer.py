@@ -27,7 +27,7 @@ import pyarrow as pa
 
 from polar_mitm.store import session_counts, sql_endpoint, views
 from polar_mitm.store.cache import SegmentCache
-from polar_mitm.store.commit_log import CommitLog, LoggedCommits, commit_log_path
+from polar_mitm.store.commit_log import CommitLog, LoggedCommits, commit_log_path, sealed_log_path
 from polar_mitm.store.compactor import Compaction, Merge
 from polar_mitm.store.records import (
     add_text_columns,
@@ -138,8 +138,11 @@ class Store(Compaction, LoggedCommits):
             if add_text_columns(self.con, journal_table(number)):
                 log.info(f"polar-mitm: {journal_table(number)} of {self.path} given its texts as columns (the journal layout before 2026-12)")
         self._rotate(self.con)
+        # a journal sealed before the crash has its records in its sealed log: its segment is written from there in
+        # slices, as the compactor would have, instead of every log's records going into the current journal at once
+        self._sealed.update(number for number in leftovers if sealed_log_path(self.path, number).exists())
         for number in leftovers:
-            self._compact(self.con, number)
+            self._compact(self.con, number, "at open")
         self._log = CommitLog(commit_log_path(self.path))
         recovered = self._recover()  # counted into `sessions` by the recount below
         self._pending_rows, self._pending_bytes, self._move_failed = 0, 0, None
@@ -267,7 +270,7 @@ class Store(Compaction, LoggedCommits):
                 self._keep_up()
                 continue
             if first is None:
-                self._settle(appends)
+                self._last_records(appends)
                 return
             if self._invalid is not None:
                 if not self._reopen():
@@ -475,7 +478,7 @@ class Store(Compaction, LoggedCommits):
             self._keep_spare = False  # a closed store holds one (empty) journal, not a spare beside it
             self._rotate(self.con)
             for number in full:
-                self._compact(self.con, number)
+                self._compact(self.con, number, "at close")
             self.con.execute("INSERT OR REPLACE INTO meta VALUES ('closed_cleanly', 'true')")
             self.con.execute("CHECKPOINT")
         except Exception:  # noqa: BLE001 - the journals stay; the next open compacts them
