@@ -14,12 +14,14 @@ import json
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
 from polar_mitm import store
+from polar_mitm.store.records import in_batches
 from polar_mitm.store.schema import MATERIAL
 
 # exchange tokens per batch: bounds what one batch holds in memory and what one SQL-endpoint answer carries
@@ -111,16 +113,9 @@ def session_counts(read: store.StoreReader, session_ids: list[str]) -> dict[str,
 
 
 def batches(sizes: list[tuple[str, int]], limit: int = BATCH_TOKENS) -> Iterator[list[str]]:
-    batch: list[str] = []
-    total = 0
-    for session_id, tokens in sizes:
-        if batch and total + tokens > limit:
-            yield batch
-            batch, total = [], 0
-        batch.append(session_id)
-        total += tokens
-    if batch:
-        yield batch
+    """Session ids in lists of at most `limit` tokens (a larger session alone), from (session id, tokens) pairs."""
+    for batch in in_batches(sizes, itemgetter(1), limit):
+        yield [session_id for session_id, _ in batch]
 
 
 EXCHANGE_SQL = (

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
@@ -301,17 +301,23 @@ def insert_journal_records(con: duckdb.DuckDBPyConnection, records: Iterable[Jou
 def in_slices(records: Iterable[JournalRecord], slice_bytes: int) -> Iterator[list[JournalRecord]]:
     """Records in lists of at most `slice_bytes` of them (record_bytes; a larger record alone; 0: one list of all),
     taken from `records` as each list is asked for."""
-    taken: list[JournalRecord] = []
-    size = 0
-    for record in records:
-        length = record_bytes(record)
-        if slice_bytes and taken and size + length > slice_bytes:
-            yield taken
-            taken, size = [], 0
-        taken.append(record)
-        size += length
-    if taken:
-        yield taken
+    return in_batches(records, record_bytes, slice_bytes)
+
+
+def in_batches[T](items: Iterable[T], size: Callable[[T], int], limit: int) -> Iterator[list[T]]:
+    """`items` in lists whose sizes add up to at most `limit` (an item larger than that alone; 0: one list of all),
+    taken from `items` as each list is asked for (also the assembler's batches of sessions)."""
+    batch: list[T] = []
+    total = 0
+    for item in items:
+        measured = size(item)
+        if limit and batch and total + measured > limit:
+            yield batch
+            batch, total = [], 0
+        batch.append(item)
+        total += measured
+    if batch:
+        yield batch
 
 
 @contextmanager
