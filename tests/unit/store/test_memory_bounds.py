@@ -313,3 +313,45 @@ def test_sealed_logs_a_crash_left_become_their_own_segments_at_open(tmp_path: Pa
     assert [said.split(": ")[2].split(" exchanges")[0] for said in at_open] == ["6", "6", "6"], at_open
     assert sorted(ids) == sorted(committed)
     assert not list(tmp_path.glob("crash.duckdb.commits*"))
+
+
+MANY_SEGMENTS_WRITER = """
+import asyncio, os
+from polar_mitm.store import Store
+from tests.support.rows import exchange_row
+
+async def main():
+    target = Store({db!r}, segment_rows=10, memory_mb=64)
+    for seq in range(1, {count} + 1):
+        row = exchange_row("s", seq, prompt_len=20)
+        await target.commit_exchange(row)
+        print(row["exchange_id"], flush=True)
+    while target._compacting:  # every full journal a segment, the last rows in the commit log only
+        await asyncio.sleep(0.01)
+    os._exit(0)  # a crash: nothing closed
+
+asyncio.run(main())
+"""
+
+
+def test_a_store_of_many_segments_opens_after_a_crash_with_rows_in_its_log(tmp_path: Path) -> None:
+    """The open that puts a crash's logged rows back asks which of them the file holds already. Asked with
+    list_contains over the view, DuckDB held ~1 MB per segment table and id: a gateway of the full soak (164
+    segments, 20+ ids in its log) could not restart (Out of Memory at its 512 MB) and its rows were unreadable.
+    Here 80 segments, 9 ids in the log and a 64 MB limit."""
+    db = tmp_path / "many.duckdb"
+    script = tmp_path / "writer.py"
+    script.write_text(MANY_SEGMENTS_WRITER.format(db=str(db), count=809))
+    root = Path(__file__).resolve().parents[3]
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(root)})
+    committed = done.stdout.split()
+    assert done.returncode == 0 and len(committed) == 809, done.stderr[-2000:]
+    assert store.commit_log_path(db).stat().st_size > 0
+    reopened = Store(db, memory_mb=64)
+    try:
+        ids = [r[0] for r in reopened.query("SELECT exchange_id FROM exchanges")[1]]
+        segments = reopened.query(f"SELECT count(*) FROM {store.SEGMENTS_TABLE}")[1][0][0]
+    finally:
+        reopened.close()
+    assert segments >= 80
+    assert sorted(ids) == sorted(committed)
