@@ -359,9 +359,9 @@ class LoggedCommits:
         missing: list[JournalRecord] = []
         if records:
             ids = [record[0] for record in records]
-            # IN a subquery, not list_contains(?, exchange_id): DuckDB 2.0 ran that through the view's union of every
-            # segment table with ~1 MB held per table and id, and a store of 164 segments could not open after a
-            # crash with 20 ids in its log (Out of Memory at 512 MB; the full soak, 2026-12-07)
+            # IN a subquery, not list_contains(?, exchange_id): over the view's union of every segment table DuckDB 2.0
+            # held memory growing with the tables and the ids asked, and a store of 164 segments could not open after
+            # a crash with 20 ids in its log (Out of Memory at 512 MB; the full soak, 2026-12-07)
             present = {exchange_id for (exchange_id,) in self.con.execute("SELECT exchange_id FROM exchanges WHERE exchange_id IN (SELECT unnest(?::VARCHAR[]))", [ids]).fetchall()}
             missing = [record for record in records if record[0] not in present]  # each record is in one log only
             self._journal_bytes += insert_journal_records(self.con, missing, journal_table(self._journals[-1]), self.slice_bytes)

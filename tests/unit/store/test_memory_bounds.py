@@ -336,9 +336,9 @@ asyncio.run(main())
 
 def test_a_store_of_many_segments_opens_after_a_crash_with_rows_in_its_log(tmp_path: Path) -> None:
     """The open that puts a crash's logged rows back asks which of them the file holds already. Asked with
-    list_contains over the view, DuckDB held ~1 MB per segment table and id: a gateway of the full soak (164
-    segments, 20+ ids in its log) could not restart (Out of Memory at its 512 MB) and its rows were unreadable.
-    Here 80 segments, 9 ids in the log and a 64 MB limit."""
+    list_contains over the view, DuckDB held memory growing with its segment tables and the ids: a gateway of the
+    full soak (164 segments, 20+ ids in its log) could not restart (Out of Memory at its 512 MB) and its rows were
+    unreadable. Here 80 segments, 9 ids in the log and a 64 MB limit."""
     db = tmp_path / "many.duckdb"
     script = tmp_path / "writer.py"
     script.write_text(MANY_SEGMENTS_WRITER.format(db=str(db), count=809))
