@@ -355,3 +355,22 @@ def test_a_store_of_many_segments_opens_after_a_crash_with_rows_in_its_log(tmp_p
         reopened.close()
     assert segments >= 80
     assert sorted(ids) == sorted(committed)
+
+
+def test_a_checkpoint_that_fails_at_close_leaves_the_segment_and_the_close_going_on(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The checkpoint after a segment written at an open or close only frees DuckDB's memory: the rows are
+    committed. One that fails (here the cache cut after it, as a full disk would fail it) is said, not raised."""
+    caplog.set_level(logging.INFO, logger="polar_mitm.store")
+    db = tmp_path / "s.duckdb"
+    target = Store(db)
+    rows = [exchange_row("s", seq, prompt_len=200) for seq in range(1, 11)]
+    _commit(target, rows)
+
+    def full_disk(con: duckdb.DuckDBPyConnection) -> int | None:
+        raise duckdb.IOException("No space left on device")
+
+    target._cache.cut = full_disk  # type: ignore[method-assign]
+    target.close()
+    assert any("no checkpoint after segment" in r.getMessage() and "at close" in r.getMessage() for r in caplog.records)
+    assert _said_at_close(caplog)[0] == len(rows)
+    assert sorted(r[0] for r in store.query(db, "SELECT exchange_id FROM exchanges")[1]) == sorted(row["exchange_id"] for row in rows)
