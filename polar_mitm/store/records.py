@@ -307,11 +307,16 @@ def in_slices(records: Iterable[JournalRecord], slice_bytes: int) -> Iterator[li
 def in_batches[T](items: Iterable[T], size: Callable[[T], int], limit: int) -> Iterator[list[T]]:
     """`items` in lists whose sizes add up to at most `limit` (an item larger than that alone; 0: one list of all),
     taken from `items` as each list is asked for (also the assembler's batches of sessions)."""
-    batch: list[T] = []
+    if not limit:
+        batch = list(items)
+        if batch:
+            yield batch
+        return
+    batch = []
     total = 0
     for item in items:
         measured = size(item)
-        if limit and batch and total + measured > limit:
+        if batch and total + measured > limit:
             yield batch
             batch, total = [], 0
         batch.append(item)

@@ -58,6 +58,14 @@ def test_duckdb_gets_the_memory_limit_and_zero_leaves_duckdbs_own(tmp_path: Path
         unbounded.close()
 
 
+def _commit(target: Store, rows: list) -> None:
+    async def commit_all() -> None:
+        for start in range(0, len(rows), 6):
+            await asyncio.gather(*(target.commit_exchange(row) for row in rows[start : start + 6]))
+
+    asyncio.run(commit_all())
+
+
 def test_a_journal_becomes_a_segment_by_its_bytes_compacted_in_slices_and_reads_back_the_same(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="polar_mitm.store")
     rows = [exchange_row("s", seq, prompt_len=4000) for seq in range(1, 61)]
@@ -66,12 +74,7 @@ def test_a_journal_becomes_a_segment_by_its_bytes_compacted_in_slices_and_reads_
     target = Store(tmp_path / "s.duckdb", journal_mb=1, compact_slice_mb=1)
     target.slice_bytes = 200_000
     try:
-
-        async def commit_all() -> None:
-            for start in range(0, len(rows), 6):
-                await asyncio.gather(*(target.commit_exchange(row) for row in rows[start : start + 6]))
-
-        asyncio.run(commit_all())
+        _commit(target, rows)
         deadline = time.monotonic() + 30
         while not target.query(f"SELECT * FROM {store.SEGMENTS_TABLE}")[1] and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -186,14 +189,6 @@ def test_a_cut_waits_for_no_read_and_a_read_never_runs_under_the_lowered_limit(t
         con.close()
 
 
-def _commit(target: Store, rows: list) -> None:
-    async def commit_all() -> None:
-        for start in range(0, len(rows), 6):
-            await asyncio.gather(*(target.commit_exchange(row) for row in rows[start : start + 6]))
-
-    asyncio.run(commit_all())
-
-
 def _said_at_close(caplog: pytest.LogCaptureFixture) -> tuple[int, int]:
     """(rows, slices) of the one segment the close wrote, from its log line."""
     [said] = [r.getMessage() for r in caplog.records if r.getMessage().endswith(", at close")]
@@ -249,8 +244,7 @@ def test_a_journal_with_rows_in_the_file_is_compacted_at_close_in_slices_of_all_
 def test_records_moved_in_slices_go_in_all_or_none(tmp_path: Path) -> None:
     """insert_journal_records with `slice_bytes`: one statement per slice, in one transaction of its own, so a move
     that fails half-way leaves no row behind (its records stay in their log and are moved again: never twice)."""
-    from polar_mitm.store.records import insert_journal_records, journal_record
-
+    insert_journal_records, journal_record = store_records.insert_journal_records, store_records.journal_record
     target = Store(tmp_path / "s.duckdb")
     try:
         con = target.con.cursor()
@@ -269,6 +263,17 @@ def test_records_moved_in_slices_go_in_all_or_none(tmp_path: Path) -> None:
         assert written == sum(map(store_records.record_bytes, records))
     finally:
         target.close()
+
+
+def _crashed_writer(tmp_path: Path, script: str) -> list[str]:
+    """Run a writer `script` (it dies by os._exit after its commits) in a process of its own; the exchange ids it
+    printed as each commit returned."""
+    path = tmp_path / "writer.py"
+    path.write_text(script)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
+    done = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.split()
 
 
 BEHIND_WRITER = """
@@ -296,12 +301,8 @@ def test_sealed_logs_a_crash_left_become_their_own_segments_at_open(tmp_path: Pa
     committed row is lost or doubled."""
     caplog.set_level(logging.INFO, logger="polar_mitm.store")
     db = tmp_path / "crash.duckdb"
-    script = tmp_path / "writer.py"
-    script.write_text(BEHIND_WRITER.format(db=str(db)))
-    root = Path(__file__).resolve().parents[3]
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
-    committed = done.stdout.split()
-    assert done.returncode == 0 and len(committed) == 20, done.stderr[-2000:]
+    committed = _crashed_writer(tmp_path, BEHIND_WRITER.format(db=str(db)))
+    assert len(committed) == 20
     sealed = sorted(path.name for path in tmp_path.glob("crash.duckdb.commits.*"))
     assert len(sealed) == 3  # 18 rows in three sealed logs, 2 in the log being appended to
     reopened = Store(db)
@@ -340,12 +341,8 @@ def test_a_store_of_many_segments_opens_after_a_crash_with_rows_in_its_log(tmp_p
     full soak (164 segments, 20+ ids in its log) could not restart (Out of Memory at its 512 MB) and its rows were
     unreadable. Here 80 segments, 9 ids in the log and a 64 MB limit."""
     db = tmp_path / "many.duckdb"
-    script = tmp_path / "writer.py"
-    script.write_text(MANY_SEGMENTS_WRITER.format(db=str(db), count=809))
-    root = Path(__file__).resolve().parents[3]
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(root)})
-    committed = done.stdout.split()
-    assert done.returncode == 0 and len(committed) == 809, done.stderr[-2000:]
+    committed = _crashed_writer(tmp_path, MANY_SEGMENTS_WRITER.format(db=str(db), count=809))
+    assert len(committed) == 809
     assert store.commit_log_path(db).stat().st_size > 0
     reopened = Store(db, memory_mb=64)
     try:
